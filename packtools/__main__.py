@@ -1,0 +1,5 @@
+import sys
+
+from packtools.cli import main
+
+sys.exit(main())
