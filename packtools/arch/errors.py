@@ -1,0 +1,49 @@
+"""Typed errors of the architecture registry and of Hugging Face checkpoint reading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class UnknownArchitecture(ValueError):
+    """A model_type packtools has no ArchSpec for."""
+
+    def __init__(self, model_type: object, known: Iterable[str]):
+        self.model_type = model_type
+        super().__init__(f"unknown architecture {model_type!r}; known architectures: {', '.join(sorted(known))}")
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory that cannot be read as its config says."""
+
+
+class MissingCheckpointFile(HFCheckpointError, FileNotFoundError):
+    def __init__(self, path: object, why: str = ""):
+        self.path = path
+        super().__init__(f"missing checkpoint file {path}" + (f" ({why})" if why else ""))
+
+
+class MissingExpert(HFCheckpointError):
+    """A routed expert (or one of its roles) the config promises but the checkpoint lacks."""
+
+    def __init__(self, layer: int, expert: int | None, what: str):
+        self.layer, self.expert = layer, expert
+        where = f"layer {layer}" + ("" if expert is None else f" expert {expert}")
+        super().__init__(f"{where}: missing {what}")
+
+
+class InconsistentExperts(HFCheckpointError):
+    """Expert tensors whose shape, dtype or count disagree with the config or with each other."""
+
+    def __init__(self, layer: int, expert: int | None, message: str):
+        self.layer, self.expert = layer, expert
+        where = f"layer {layer}" + ("" if expert is None else f" expert {expert}")
+        super().__init__(f"{where}: {message}")
+
+
+class UnexpectedTensor(HFCheckpointError):
+    """A checkpoint tensor that the model of the config has no place for."""
+
+
+class UnsupportedDtype(HFCheckpointError):
+    """A routed expert tensor stored in a dtype a pack cannot hold verbatim."""

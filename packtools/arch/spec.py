@@ -1,0 +1,128 @@
+"""What packtools needs to know about one MoE architecture.
+
+An ArchSpec answers, from a transformers config: which layers have routed experts, how many
+experts, top-k and expert width; and, for Hugging Face checkpoints, how routed expert tensors
+are named in both forms transformers 5 reads:
+
+- per-expert 2-D tensors, what `save_pretrained` writes
+  (`model.layers.3.mlp.experts.7.gate_proj.weight`, mixtral `block_sparse_moe.experts.7.w1.weight`);
+- fused 3-D tensors, the runtime parameter names (`model.layers.3.mlp.experts.gate_up_proj`
+  [E, 2I, H], `down_proj` [E, H, I]; gpt_oss `gate_up_proj` [E, H, 2I] interleaved, plus biases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from transformers import PretrainedConfig
+
+from packtools.pack.constants import Role
+from packtools.sources.base import ExpertLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPart:
+    """A fused 3-D expert tensor [E, *per_expert]: each role is one of `splits` equal,
+    contiguous chunks of dim 0 of the per-expert slice (so still a verbatim byte range)."""
+
+    roles: tuple[Role, ...]  # role of chunk 0, 1, ...
+
+    @property
+    def splits(self) -> int:
+        return len(self.roles)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertKey:
+    """A checkpoint tensor that holds routed expert weights."""
+
+    layer: int
+    expert: int | None  # None: a fused tensor holding every expert of the layer
+    part: str  # per-expert projection name ("gate_proj", "w1") or fused name ("gate_up_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    layout: ExpertLayout
+    num_experts_attr: str  # config attribute (transformers aliases resolve on the object)
+    moe_intermediate_attr: str
+    moe_layer_rule: Callable[[PretrainedConfig], list[int]]
+    # module names between "layers.N." and ".experts." in checkpoints, the runtime one ("mlp") included
+    containers: tuple[str, ...]
+    per_expert_parts: dict[str, Role]  # save_pretrained projection name -> role; empty if never per-expert
+    fused_parts: dict[str, FusedPart]  # runtime 3-D parameter name -> how it splits into roles
+    top_k_attr: str = "num_experts_per_tok"
+    notes: str = ""
+
+    # ---- config facts ----
+    def moe_layers(self, config: PretrainedConfig) -> list[int]:
+        return sorted(self.moe_layer_rule(config))
+
+    def num_experts(self, config: PretrainedConfig) -> int:
+        return int(getattr(config, self.num_experts_attr))
+
+    def top_k(self, config: PretrainedConfig) -> int:
+        return int(getattr(config, self.top_k_attr))
+
+    def moe_intermediate_size(self, config: PretrainedConfig) -> int:
+        return int(getattr(config, self.moe_intermediate_attr))
+
+    def role_shapes(self, config: PretrainedConfig) -> dict[Role, tuple[int, ...]]:
+        """Logical shape of every role of one expert, last dim contiguous."""
+        hidden, inter = int(config.hidden_size), self.moe_intermediate_size(config)
+        if self.layout.orientation == "in_out":
+            return {
+                Role.GATE_UP: (hidden, 2 * inter),
+                Role.GATE_UP_BIAS: (2 * inter,),
+                Role.DOWN: (inter, hidden),
+                Role.DOWN_BIAS: (hidden,),
+            }
+        return {Role.GATE: (inter, hidden), Role.UP: (inter, hidden), Role.DOWN: (hidden, inter)}
+
+    # ---- checkpoint names ----
+    def _container_pattern(self) -> str:
+        return "|".join(re.escape(c) for c in self.containers)
+
+    @property
+    def per_expert_regex(self) -> re.Pattern[str] | None:
+        if not self.per_expert_parts:
+            return None
+        parts = "|".join(re.escape(p) for p in self.per_expert_parts)
+        return re.compile(
+            rf"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:{self._container_pattern()})\.experts\."
+            rf"(?P<expert>\d+)\.(?P<part>{parts})\.weight$"
+        )
+
+    @property
+    def fused_regex(self) -> re.Pattern[str]:
+        # longest names first so "gate_up_proj_bias" is not read as "gate_up_proj"
+        parts = "|".join(re.escape(p) for p in sorted(self.fused_parts, key=len, reverse=True))
+        return re.compile(
+            rf"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:{self._container_pattern()})\.experts\.(?P<part>{parts})$"
+        )
+
+    def parse_expert_key(self, key: str) -> ExpertKey | None:
+        """The routed-expert identity of a checkpoint tensor name, or None for a dense tensor."""
+        per_expert = self.per_expert_regex
+        if per_expert is not None and (match := per_expert.match(key)):
+            return ExpertKey(int(match["layer"]), int(match["expert"]), match["part"])
+        if match := self.fused_regex.match(key):
+            return ExpertKey(int(match["layer"]), None, match["part"])
+        return None
+
+    def per_expert_key(self, layer: int, expert: int, role: Role) -> str:
+        """The name save_pretrained gives this role of this expert."""
+        part = next(name for name, r in self.per_expert_parts.items() if r == role)
+        return f"model.layers.{layer}.{self.containers[0]}.experts.{expert}.{part}.weight"
+
+    def fused_key(self, layer: int, part: str) -> str:
+        """The runtime (state_dict) name of a fused expert tensor."""
+        return f"model.layers.{layer}.mlp.experts.{part}"
+
+    def is_routed_runtime_key(self, key: str) -> bool:
+        """Whether a model.state_dict() key is a routed expert parameter."""
+        match = self.fused_regex.match(key)
+        return match is not None and key.startswith("model.")

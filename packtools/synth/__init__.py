@@ -1,0 +1,1 @@
+"""Synthetic checkpoints (random weights, real formats) for tests and benchmarks."""
