@@ -1,0 +1,36 @@
+"""storaged's cache policy: which (model, layer, expert) objects live in which tier's slots.
+
+Tiers: VRAM (one device allocation cut into equal slots), an optional pinned host-RAM tier
+(equal slots, a read-through cache of pack reads: see planner.py for why), and the pack on NVMe.
+
+- `SlotCache`: one tier. Entries are LOADING (slot reserved, bytes not valid, invisible to
+  lookups) or READY. Replacement evicts the unpinned READY entry with the lowest decayed access
+  frequency (halving every `half_life` accesses, applied lazily through a logical clock, so an
+  access is O(1)); the older last access breaks ties. Victims come off a lazily invalidated
+  min-heap: O(log n), not a scan of every slot. Pinned and LOADING entries are never evicted.
+- `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer; hits,
+  single-flight waits, loads from host or pack; all-or-nothing on CapacityExhausted), Prefetch
+  (free or cold slots only, never pinned or loading ones), completion/abort, release/close.
+- `PolicyStats`: counters and gauges for the Stats RPC and Prometheus.
+
+Pure Python, no I/O. Not thread-safe and need not be: storaged calls it only from its single
+asyncio event-loop thread, and no call awaits, so each call is atomic with respect to the others.
+"""
+
+from storaged.policy.errors import (CapacityExhausted, DuplicateExpert, InvalidExpert,
+                                    InvalidLayer, InvalidRequest, PolicyError, PolicyStateError,
+                                    TooManyExperts, UnknownModel)
+from storaged.policy.keys import ExpertKey, ModelLayout
+from storaged.policy.plan import (AcquirePlan, Eviction, ExpertStep, PolicyStats, PrefetchPlan,
+                                  SessionId, Source)
+from storaged.policy.planner import AcquirePlanner
+from storaged.policy.slot_cache import (EntryState, EntryView, Reservation, ResidentStats,
+                                        SlotCache, TierCounters)
+
+__all__ = [
+    "AcquirePlan", "AcquirePlanner", "CapacityExhausted", "DuplicateExpert", "EntryState",
+    "EntryView", "Eviction", "ExpertKey", "ExpertStep", "InvalidExpert", "InvalidLayer",
+    "InvalidRequest", "ModelLayout", "PolicyError", "PolicyStateError", "PolicyStats",
+    "PrefetchPlan", "Reservation", "ResidentStats", "SessionId", "SlotCache", "Source",
+    "TierCounters", "TooManyExperts", "UnknownModel",
+]

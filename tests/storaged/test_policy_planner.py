@@ -1,0 +1,279 @@
+"""Unit tests of the Acquire / Prefetch transactions over a VRAM tier and a host tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from storaged.policy import (AcquirePlanner, CapacityExhausted, DuplicateExpert, EntryState,
+                             ExpertKey, InvalidExpert, InvalidLayer, ModelLayout,
+                             PolicyStateError, SlotCache, Source, TooManyExperts, UnknownModel)
+
+MODEL = 0
+LAYOUTS = {
+    MODEL: ModelLayout.contiguous(layer_count=4, experts_per_layer=8, max_experts_per_acquire=4),
+    5: ModelLayout(frozenset({3, 4}), experts_per_layer=16),  # layers 0-2 dense
+}
+
+
+def planner(vram_slots: int = 4, host_slots: int = 0, **options) -> AcquirePlanner:
+    vram = SlotCache(vram_slots, slot_bytes=1 << 20, half_life=64)
+    host = SlotCache(host_slots, slot_bytes=1 << 20, half_life=64, tier="host")
+    return AcquirePlanner(vram, host, LAYOUTS, **options)
+
+
+def key(expert: int, layer: int = 0, model: int = MODEL) -> ExpertKey:
+    return ExpertKey(model, layer, expert)
+
+
+def acquire_loaded(p: AcquirePlanner, session, layer: int, experts: list[int]):
+    """Acquire and finish every load the plan asks this caller for."""
+    plan = p.acquire(session, MODEL, layer, experts)
+    for step in plan.loads:
+        p.complete(step.key)
+    return plan
+
+
+def state_of(p: AcquirePlanner, sessions=("a", "b", "c")):
+    host = list(p.host.views()) if p.host is not None else []
+    return (sorted(p.vram.views()), sorted(host), p.loading(), p.stats(),
+            [p.held(session) for session in sessions])
+
+
+@pytest.mark.parametrize("model, layer, experts, error, offending", [
+    (9, 0, [1], UnknownModel, "model 9"),
+    (MODEL, 4, [1], InvalidLayer, "layer 4"),
+    (MODEL, -1, [1], InvalidLayer, "layer -1"),
+    (5, 1, [1], InvalidLayer, "layer 1"),  # a dense layer of model 5
+    (MODEL, 0, [8], InvalidExpert, "expert 8"),
+    (MODEL, 0, [2, -1], InvalidExpert, "expert -1"),
+    (MODEL, 0, [3, 1, 3], DuplicateExpert, "expert 3"),
+    (MODEL, 0, [0, 1, 2, 3, 4], TooManyExperts, "5 experts"),
+])
+def test_invalid_requests_are_typed_and_change_nothing(model, layer, experts, error, offending):
+    p = planner()
+    acquire_loaded(p, "a", 0, [1])
+    before = state_of(p)
+    with pytest.raises(error, match=offending):
+        p.acquire("a", model, layer, experts)
+    assert state_of(p) == before
+
+
+def test_model_with_sparse_moe_layers_accepts_its_moe_layers():
+    p = planner()
+    plan = p.acquire("a", 5, 4, [15])
+    assert plan.steps[0].key == ExpertKey(5, 4, 15)
+
+
+def test_miss_then_hit_returns_the_same_slot():
+    p = planner()
+    first = p.acquire("a", MODEL, 0, [3, 5])
+    assert [step.source for step in first.steps] == [Source.PACK, Source.PACK]
+    for step in first.loads:
+        assert p.complete(step.key) == step.slot
+    second = p.acquire("b", MODEL, 0, [5, 3])
+    assert [step.source for step in second.steps] == [Source.READY, Source.READY]
+    assert second.slots == first.slots[::-1]
+    assert p.vram.pin_count(key(3)) == 2
+    stats = p.stats()
+    assert (stats.vram_hits, stats.vram_misses, stats.pins_outstanding) == (2, 2, 4)
+
+
+def test_single_flight_second_request_waits_on_the_same_slot():
+    p = planner()
+    load = p.acquire("a", MODEL, 0, [2]).steps[0]
+    wait = p.acquire("b", MODEL, 0, [2]).steps[0]
+    assert (load.source, wait.source) == (Source.PACK, Source.WAIT)
+    assert wait.slot == load.slot and not wait.promote
+    assert p.loading() == (key(2),)
+    assert p.stats().vram_coalesced == 1
+    p.complete(key(2))
+    assert p.acquire("c", MODEL, 0, [2]).steps[0].source is Source.READY
+
+
+def test_acquire_replaces_the_sessions_previous_pins_on_that_layer_only():
+    p = planner(vram_slots=8)
+    acquire_loaded(p, "a", 0, [1, 2])
+    acquire_loaded(p, "a", 1, [1])
+    acquire_loaded(p, "a", 0, [2, 3])
+    assert p.vram.pin_count(key(1)) == 0
+    assert p.vram.pin_count(key(2)) == 1
+    assert p.vram.pin_count(key(1, layer=1)) == 1
+    assert p.held("a") == {(MODEL, 0): (key(2), key(3)), (MODEL, 1): (key(1, layer=1),)}
+
+
+def test_own_previous_pins_on_the_layer_count_as_capacity():
+    p = planner(vram_slots=2)
+    acquire_loaded(p, "a", 0, [0, 1])
+    plan = p.acquire("a", MODEL, 0, [2, 3])  # evicts the two experts it just let go of
+    assert {eviction.key for eviction in plan.evictions} == {key(0), key(1)}
+
+
+def test_capacity_exhausted_rolls_back_everything():
+    p = planner(vram_slots=3, host_slots=2)
+    acquire_loaded(p, "a", 0, [0, 1])
+    acquire_loaded(p, "b", 1, [0])
+    before = state_of(p)
+    with pytest.raises(CapacityExhausted, match=r"vram tier: 2 slot\(s\) needed but only 1"):
+        p.acquire("a", MODEL, 0, [0, 2, 3])  # 0 stays a hit; 2 and 3 need slots; 1 is freed
+    assert state_of(p) == before
+    assert p.acquire("a", MODEL, 0, [0, 2]).evictions[0].key == key(1)
+
+
+def test_hits_of_the_same_request_are_pinned_before_any_victim_is_chosen():
+    p = planner(vram_slots=2)
+    acquire_loaded(p, "a", 0, [0, 1])
+    for _ in range(3):
+        acquire_loaded(p, "a", 0, [1])  # 1 hot, 0 cold and unpinned
+    p.release("a")
+    with pytest.raises(CapacityExhausted):
+        p.acquire("b", MODEL, 0, [2, 0, 1])  # both victims are requested hits
+    plan = p.acquire("b", MODEL, 0, [2, 0])  # the cold 0 is listed after the miss
+    assert [step.source for step in plan.steps] == [Source.PACK, Source.READY]
+    assert [eviction.key for eviction in plan.evictions] == [key(1)]
+
+
+def test_release_one_layer_and_close_session():
+    p = planner(vram_slots=8)
+    acquire_loaded(p, "a", 0, [1, 2])
+    acquire_loaded(p, "a", 1, [1])
+    acquire_loaded(p, "b", 0, [1])
+    assert p.release("a", 0) == 2
+    assert p.held("a") == {(MODEL, 1): (key(1, layer=1),)}
+    assert p.release("a", 0) == 0  # idempotent
+    assert p.close_session("a") == 1
+    assert p.close_session("a") == 0
+    assert p.vram.pin_count(key(1)) == 1  # b's pin is untouched
+    assert p.close_session("b") == 1
+    assert p.stats().pins_outstanding == 0 and p.stats().sessions == 0
+
+
+def test_release_filters_by_model():
+    p = planner(vram_slots=8)
+    acquire_loaded(p, "a", 0, [1])
+    p.acquire("a", 5, 3, [1])
+    assert p.release("a", model=5) == 1
+    assert p.held("a") == {(MODEL, 0): (key(1),)}
+
+
+def test_abort_frees_the_slot_and_returns_the_waiting_sessions():
+    p = planner(vram_slots=2)
+    slot = p.acquire("a", MODEL, 0, [4]).steps[0].slot
+    p.acquire("b", MODEL, 0, [4, 5])
+    assert p.abort(key(4)) == frozenset({"a", "b"})
+    assert key(4) not in p.vram and p.vram.pins_outstanding == 1
+    assert p.held("a") == {} and p.held("b") == {(MODEL, 0): (key(5),)}
+    retry = p.acquire("a", MODEL, 0, [4]).steps[0]
+    assert (retry.source, retry.slot) == (Source.PACK, slot)
+    assert p.stats().vram_aborts == 1
+
+
+@pytest.mark.parametrize("operation", ["complete", "abort"])
+def test_complete_or_abort_without_a_load_in_flight_is_a_protocol_error(operation):
+    p = planner()
+    acquire_loaded(p, "a", 0, [1])
+    with pytest.raises(PolicyStateError, match=r"expert 1\): " + operation):
+        getattr(p, operation)(key(1))
+    with pytest.raises(PolicyStateError, match=r"expert 2\): " + operation):
+        getattr(p, operation)(key(2))
+
+
+def test_pack_reads_land_in_the_host_tier_and_later_misses_copy_from_it():
+    p = planner(vram_slots=1, host_slots=4)
+    first = p.acquire("a", MODEL, 0, [1]).steps[0]
+    assert first.source is Source.PACK_VIA_HOST
+    assert p.host.state(key(1)) is EntryState.LOADING
+    p.complete(key(1))
+    assert p.host.state(key(1)) is EntryState.READY
+    acquire_loaded(p, "a", 0, [2])  # evicts 1 from VRAM; the host copy stays
+    again = p.acquire("a", MODEL, 0, [1])
+    step = again.steps[0]
+    assert (step.source, step.host_slot) == (Source.HOST, first.host_slot)
+    assert [e.key for e in again.evictions] == [key(2)]
+    assert p.host.pin_count(key(1)) == 1  # pinned while the copy runs
+    p.complete(key(1))
+    assert p.host.pin_count(key(1)) == 0
+    stats = p.stats()
+    assert (stats.host_hits, stats.host_misses, stats.host_copies_in_flight) == (1, 2, 0)
+
+
+def test_failed_host_fill_is_dropped_but_a_failed_copy_keeps_the_host_entry():
+    p = planner(vram_slots=1, host_slots=2)
+    p.acquire("a", MODEL, 0, [1])
+    p.abort(key(1))
+    assert key(1) not in p.host  # the read into the host slot may have been what failed
+    acquire_loaded(p, "a", 0, [1])
+    acquire_loaded(p, "a", 0, [2])
+    assert p.acquire("a", MODEL, 0, [1]).steps[0].source is Source.HOST
+    p.abort(key(1))
+    assert p.host.state(key(1)) is EntryState.READY and p.host.pin_count(key(1)) == 0
+
+
+@pytest.mark.parametrize("host_slots", [0, 1])
+def test_without_a_usable_host_slot_reads_go_straight_to_vram(host_slots):
+    p = planner(vram_slots=4, host_slots=host_slots)
+    plan = p.acquire("a", MODEL, 0, [1, 2])
+    expected = [Source.PACK, Source.PACK] if host_slots == 0 else [Source.PACK_VIA_HOST,
+                                                                   Source.PACK]
+    assert [step.source for step in plan.steps] == expected  # the one host slot is LOADING
+
+
+def test_prefetch_uses_free_slots_and_skips_resident_keys():
+    p = planner(vram_slots=4)
+    acquire_loaded(p, "a", 0, [1])
+    plan = p.prefetch(MODEL, 0, [1, 2])
+    assert [step.key for step in plan.loads] == [key(2)] and plan.skipped == 1
+    assert p.vram.pin_count(key(2)) == 0 and p.vram.state(key(2)) is EntryState.LOADING
+    assert p.stats().prefetch_issued == 1 and p.stats().prefetch_in_flight == 1
+
+
+def test_prefetch_never_displaces_warm_pinned_or_loading_entries():
+    p = planner(vram_slots=3, prefetch_threshold=0.5)
+    acquire_loaded(p, "a", 0, [1])  # pinned
+    acquire_loaded(p, "b", 0, [2])
+    p.release("b")  # READY, unpinned, but just used: score ~1
+    p.acquire("c", MODEL, 0, [3])  # LOADING
+    p.release("c")
+    assert p.prefetch(MODEL, 1, [4]).loads == ()
+    for _ in range(200):  # time passes; 2 goes cold, 1 and 3 stay pinned / loading
+        acquire_loaded(p, "a", 0, [1])
+    plan = p.prefetch(MODEL, 1, [4, 5])
+    assert [step.key for step in plan.loads] == [key(4, layer=1)]
+    assert [eviction.key for eviction in plan.evictions] == [key(2)]
+
+
+def test_prefetch_in_flight_is_bounded():
+    p = planner(vram_slots=8, max_prefetch_in_flight=2)
+    assert len(p.prefetch(MODEL, 0, [1, 2, 3]).loads) == 2
+    p.complete(key(1))
+    assert [step.key for step in p.prefetch(MODEL, 0, [3, 4]).loads] == [key(3)]
+
+
+def test_demand_joining_a_prefetch_promotes_it_once_and_counts_it_used():
+    p = planner(vram_slots=4)
+    p.prefetch(MODEL, 0, [1])
+    wait = p.acquire("a", MODEL, 0, [1]).steps[0]
+    assert (wait.source, wait.promote) == (Source.WAIT, True)
+    assert p.acquire("b", MODEL, 0, [1]).steps[0].promote is False
+    p.complete(key(1))
+    stats = p.stats()
+    assert (stats.prefetch_used, stats.prefetch_wasted, stats.prefetch_in_flight) == (1, 0, 0)
+
+
+def test_unused_prefetch_is_wasted_when_evicted():
+    p = planner(vram_slots=1)
+    p.prefetch(MODEL, 0, [1])
+    p.complete(key(1))
+    acquire_loaded(p, "a", 0, [2])
+    stats = p.stats()
+    assert (stats.prefetch_used, stats.prefetch_wasted, stats.vram_evictions) == (0, 1, 1)
+
+
+def test_stats_report_resident_entries_and_bytes_per_tier():
+    p = planner(vram_slots=4, host_slots=4)
+    acquire_loaded(p, "a", 0, [1, 2])
+    p.acquire("a", MODEL, 1, [1])
+    stats = p.stats()
+    assert (stats.vram_resident_entries, stats.vram_loading_entries) == (2, 1)
+    assert stats.vram_resident_bytes == 2 << 20
+    assert (stats.host_resident_entries, stats.host_resident_bytes) == (2, 2 << 20)
+    assert (stats.pins_outstanding, stats.sessions) == (3, 1)
