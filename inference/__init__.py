@@ -1,0 +1,1 @@
+"""inference: the transformers client that runs MoE models with experts served by storaged."""
