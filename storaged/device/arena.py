@@ -1,0 +1,203 @@
+"""Arena: one allocation cut into equal slots that clients map; CpuArena is its shared-memory form.
+
+The server copies object bytes into slots (copy_in) and publishes a slot to a client only once
+that copy has completed (`await handle.wait()`), or hands the client `handle.event_index` so the
+client's stream waits for the copy instead. The CUDA form lives in cuda_arena.py.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import mmap
+import os
+import secrets
+
+import torch
+
+from packtools.pack.constants import ALIGNMENT
+from storaged.device.descriptor import KIND_SHM, ArenaDescriptor
+from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
+from storaged.io.host_memory import AlignedBuffer
+
+HostSource = AlignedBuffer | torch.Tensor | memoryview
+SHM_MODES = (0o600, 0o660)
+
+
+def host_bytes(source: HostSource, nbytes: int, what: str) -> torch.Tensor:
+    """The first nbytes of a host buffer as a uint8 CPU tensor sharing its memory (no copy)."""
+    if isinstance(source, AlignedBuffer):
+        tensor = source.tensor
+    elif isinstance(source, torch.Tensor):
+        if source.device.type != "cpu" or source.dtype != torch.uint8 or not source.is_contiguous():
+            raise TypeError(f"{what}: host tensor must be contiguous uint8 on the CPU, got "
+                            f"{source.dtype} on {source.device}")
+        tensor = source.reshape(-1)
+    elif isinstance(source, memoryview):
+        if source.readonly:
+            raise TypeError(f"{what}: memoryview is read-only; pass a writable staging view")
+        tensor = torch.frombuffer(source, dtype=torch.uint8)
+    else:
+        raise TypeError(f"{what}: expected AlignedBuffer, uint8 tensor or memoryview, got {type(source).__name__}")
+    if tensor.numel() < nbytes:
+        raise CopySizeError(f"{what}: host buffer holds {tensor.numel()} bytes, the copy needs {nbytes}")
+    return tensor[:nbytes]
+
+
+class CopyHandle:
+    """Completion of one copy into or out of a slot.
+
+    `event_index` is None when the copy was complete on return (CPU); otherwise it indexes the
+    descriptor's event_handles, and a client stream that waits on that event sees the bytes.
+    Events are reused round-robin; a reused event only makes a waiter wait for a later copy on
+    the same in-order copy stream, never too little.
+    """
+
+    def __init__(self, event=None, event_index: int | None = None, keepalive=(), waiter=None):
+        self._event = event  # torch.cuda.Event or None
+        self.event_index = event_index
+        self._keepalive = keepalive  # source/destination tensors the DMA still touches
+        self._waiter = waiter  # executor that runs blocking synchronizes off the event loop
+
+    @property
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def synchronize(self) -> None:
+        """Block this thread until the copy completed. Thread-safe."""
+        if self._event is not None:
+            self._event.synchronize()
+        self._keepalive = ()
+
+    async def wait(self) -> None:
+        """Wait without blocking the event loop."""
+        if self.done:
+            self._keepalive = ()
+            return
+        await asyncio.get_running_loop().run_in_executor(self._waiter, self.synchronize)
+
+
+COMPLETED = CopyHandle()
+
+
+class Arena(abc.ABC):
+    """slot_count slots of slot_bytes (a multiple of 4096) in one allocation."""
+
+    kind: str
+
+    def __init__(self, slot_count: int, slot_bytes: int):
+        if slot_count <= 0:
+            raise ValueError(f"slot_count must be > 0, got {slot_count}")
+        if slot_bytes <= 0 or slot_bytes % ALIGNMENT:
+            raise ValueError(f"slot_bytes {slot_bytes} is not a positive multiple of {ALIGNMENT}")
+        self.slot_count = slot_count
+        self.slot_bytes = slot_bytes
+        self._tensor: torch.Tensor | None = None  # uint8 [slot_count * slot_bytes]
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.slot_count * self.slot_bytes
+
+    def slot_tensor(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """uint8 [nbytes] view of slot's first nbytes (whole slot by default), in this process."""
+        nbytes = self.slot_bytes if nbytes is None else nbytes
+        if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
+            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count, nbytes, self.slot_bytes)
+        if self._tensor is None:
+            raise ArenaClosedError(f"{self.kind} arena is closed")
+        start = slot * self.slot_bytes  # byte offset of the slot in the arena
+        return self._tensor[start:start + nbytes]
+
+    @abc.abstractmethod
+    def descriptor(self) -> ArenaDescriptor:
+        """What a client passes to map_arena; on CUDA each call is a fresh export for one client."""
+
+    @abc.abstractmethod
+    def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
+        """Copy nbytes from a host buffer into slot. The source must stay untouched until done."""
+
+    @abc.abstractmethod
+    def copy_out(self, slot: int, destination: HostSource, nbytes: int) -> CopyHandle:
+        """Copy slot's first nbytes into a host buffer."""
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the allocation (idempotent); clients that mapped it keep their own mapping."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CpuArena(Arena):
+    """A file under /dev/shm, mmap'd shared; clients mmap the same file read-only.
+
+    Copies are CPU memcpys (torch's, which release the GIL) and complete before copy_in returns.
+    """
+
+    kind = KIND_SHM
+
+    def __init__(self, slot_count: int, slot_bytes: int, *, mode: int = 0o600, directory: str = "/dev/shm"):
+        super().__init__(slot_count, slot_bytes)
+        if mode not in SHM_MODES:
+            raise ValueError(f"shm arena mode {oct(mode)} is not one of {[oct(m) for m in SHM_MODES]}")
+        self.path = os.path.join(directory, f"expertpack-arena-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask may have narrowed it
+            # Reserve the pages now: a full /dev/shm should fail here, not SIGBUS on a later copy.
+            os.posix_fallocate(fd, 0, self.arena_bytes)
+            self._mmap = mmap.mmap(fd, self.arena_bytes, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.unlink(self.path)
+            raise ArenaError(f"{self.path}: cannot create a {self.arena_bytes}-byte shm arena: "
+                             f"{exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # [arena_bytes]
+
+    def descriptor(self) -> ArenaDescriptor:
+        if self._tensor is None:
+            raise ArenaClosedError(f"{self.path}: arena is closed")
+        return ArenaDescriptor(kind=KIND_SHM, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
+                               shm_path=self.path)
+
+    def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
+        self.slot_tensor(slot, nbytes).copy_(host_bytes(source, nbytes, f"copy into slot {slot}"))
+        return COMPLETED
+
+    def copy_out(self, slot: int, destination: HostSource, nbytes: int) -> CopyHandle:
+        host_bytes(destination, nbytes, f"copy out of slot {slot}").copy_(self.slot_tensor(slot, nbytes))
+        return COMPLETED
+
+    def close(self) -> None:
+        if self._tensor is None:
+            return
+        # Not mmap.close(): tensors from slot_tensor() would dangle. The mapping goes with the
+        # last of them; unlinking stops new clients, and mapped clients keep their pages.
+        self._tensor = None
+        self._mmap = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def create_arena(kind: str, slot_count: int, slot_bytes: int, *, device: int = 0,
+                 event_count: int = 256, shm_mode: int = 0o600) -> Arena:
+    """kind 'cpu' (shared memory), 'cuda' (device `device`) or 'auto' (cuda when available)."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return CpuArena(slot_count, slot_bytes, mode=shm_mode)
+    if kind == "cuda":
+        from storaged.device.cuda_arena import CudaArena
+
+        return CudaArena(slot_count, slot_bytes, device=device, event_count=event_count)
+    raise ValueError(f"arena kind {kind!r} is not one of 'cpu', 'cuda', 'auto'")

@@ -1,0 +1,126 @@
+"""Client side of an arena: map it from an ArenaDescriptor and view slots as tensors.
+
+Imports torch only (never grpc), so the inference process can use it without the server's
+dependencies.
+
+    arena = map_arena(descriptor)           # once per session
+    arena.wait_event(event_index, stream)   # CUDA: the stream waits for the slot's copy
+    weights = arena.slot_view(slot, nbytes) # uint8 [nbytes], on the arena's device
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import torch
+
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.errors import (ArenaClosedError, ArenaDescriptorError, ArenaMapError,
+                                    CudaUnavailableError, EventIndexError, SlotRangeError)
+
+
+class ClientArena:
+    """A mapped arena. slot_view returns views into the shared memory (no copy)."""
+
+    def __init__(self, descriptor: ArenaDescriptor, tensor: torch.Tensor):
+        self.descriptor = descriptor
+        self.slot_bytes = descriptor.slot_bytes
+        self.slot_count = descriptor.slot_count
+        self._tensor: torch.Tensor | None = tensor  # uint8 [slot_count * slot_bytes]
+
+    @property
+    def device(self) -> torch.device:
+        return self._live().device
+
+    def _live(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ArenaClosedError(f"{self.descriptor.kind} client arena is closed")
+        return self._tensor
+
+    def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """uint8 [nbytes] view of slot's first nbytes (whole slot by default). Read-only use."""
+        nbytes = self.slot_bytes if nbytes is None else nbytes
+        if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
+            raise SlotRangeError("client arena", slot, self.slot_count, nbytes, self.slot_bytes)
+        start = slot * self.slot_bytes  # byte offset of the slot in the arena
+        return self._live()[start:start + nbytes]
+
+    def wait_event(self, index: int, stream=None) -> None:
+        """Make `stream` wait for the copy that recorded event `index`. No-op for shm arenas."""
+
+    def close(self) -> None:
+        """Drop this mapping; views already taken stay valid until they are freed."""
+        self._tensor = None
+
+
+class SharedMemoryClientArena(ClientArena):
+    """The server's /dev/shm file, mapped read-only: a stray write faults instead of corrupting
+    other sessions' experts."""
+
+    def __init__(self, descriptor: ArenaDescriptor):
+        try:
+            fd = os.open(descriptor.shm_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ArenaMapError(f"{descriptor.shm_path}: cannot open shm arena: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < descriptor.arena_bytes:
+                raise ArenaMapError(f"{descriptor.shm_path}: file is {size} bytes, the descriptor needs "
+                                    f"{descriptor.arena_bytes}")
+            mapping = mmap.mmap(fd, descriptor.arena_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            # torch warns that the buffer is not writable: that is the point of this mapping.
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # [arena_bytes]
+        super().__init__(descriptor, tensor)
+
+
+class CudaIpcClientArena(ClientArena):
+    """The server's device allocation, opened with cudaIpcOpenMemHandle through torch."""
+
+    def __init__(self, descriptor: ArenaDescriptor):
+        if not torch.cuda.is_available():
+            raise CudaUnavailableError("this descriptor names a CUDA arena but CUDA is not available here")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        d = descriptor
+        # The same call torch.multiprocessing makes when a CUDA tensor crosses processes: it
+        # caches the opened handle, makes the current stream wait on the export event, and
+        # decrements the server's refcount when this storage is freed.
+        try:
+            tensor = rebuild_cuda_tensor(
+                torch.Tensor, torch.Size([d.arena_bytes]), (1,), 0, torch.storage.TypedStorage,
+                torch.uint8, d.device_index, d.ipc_handle, d.storage_size_bytes, d.storage_offset_bytes,
+                False, d.ref_counter_handle, d.ref_counter_offset, d.export_event_handle,
+                d.export_event_sync_required)
+        except RuntimeError as exc:
+            raise ArenaMapError(f"cannot open CUDA IPC arena on device {d.device_index}: {exc}") from exc
+        super().__init__(descriptor, tensor)
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def wait_event(self, index: int, stream=None) -> None:
+        if not 0 <= index < len(self.descriptor.event_handles):
+            raise EventIndexError(f"copy event {index} is outside the pool of "
+                                  f"{len(self.descriptor.event_handles)}")
+        event = self._events.get(index)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(self.device, self.descriptor.event_handles[index])
+            self._events[index] = event
+        event.wait(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        self._events.clear()
+        super().close()
+
+
+def map_arena(descriptor: ArenaDescriptor) -> ClientArena:
+    """Map the arena a server described; raises ArenaMapError when it cannot be mapped."""
+    if descriptor.kind == KIND_SHM:
+        return SharedMemoryClientArena(descriptor)
+    if descriptor.kind == KIND_CUDA_IPC:
+        return CudaIpcClientArena(descriptor)
+    raise ArenaDescriptorError(f"unknown arena kind {descriptor.kind!r}")

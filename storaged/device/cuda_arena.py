@@ -1,0 +1,103 @@
+"""CudaArena: the arena as one CUDA allocation, exported to clients with CUDA IPC.
+
+Copies run on a dedicated copy stream, each followed by an interprocess event from a fixed
+pool, so a client stream can wait for exactly the copies it needs (CopyHandle.event_index)
+while the server's own threads keep going. Importable without CUDA; constructing one without
+CUDA raises CudaUnavailableError.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from storaged.device.arena import Arena, CopyHandle, HostSource, host_bytes
+from storaged.device.descriptor import KIND_CUDA_IPC, ArenaDescriptor
+from storaged.device.errors import ArenaClosedError, CudaUnavailableError
+
+
+class CudaArena(Arena):
+    kind = KIND_CUDA_IPC
+
+    def __init__(self, slot_count: int, slot_bytes: int, *, device: int = 0, event_count: int = 256):
+        super().__init__(slot_count, slot_bytes)
+        if not torch.cuda.is_available():
+            raise CudaUnavailableError("a CUDA arena needs a CUDA build of torch and a visible GPU")
+        if not 0 <= device < torch.cuda.device_count():
+            raise CudaUnavailableError(f"CUDA device {device} does not exist "
+                                       f"({torch.cuda.device_count()} visible)")
+        if event_count <= 0:
+            raise ValueError(f"event_count must be > 0, got {event_count}")
+        self.device = torch.device("cuda", device)
+        with torch.cuda.device(self.device):
+            # One caching-allocator block of its own: an export covers exactly this tensor.
+            self._tensor = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # blocking=True: a server thread in synchronize() sleeps instead of spinning a core.
+            self._events = [torch.cuda.Event(blocking=True, interprocess=True) for _ in range(event_count)]
+            self._event_handles = tuple(bytes(event.ipc_handle()) for event in self._events)
+        self._next_event = 0
+        self._lock = threading.Lock()  # pairs each copy with the event recorded right after it
+        self._waiter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="storaged-copy-wait")
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The stream every copy_in/copy_out runs on, in issue order."""
+        return self._copy_stream
+
+    def descriptor(self) -> ArenaDescriptor:
+        tensor = self._live_tensor()
+        with torch.cuda.device(self.device):
+            # Each export gets its own cross-process refcount, so every client's release is
+            # counted and torch keeps the memory alive while any client still maps it.
+            (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+             event_sync_required) = tensor.untyped_storage()._share_cuda_()
+        return ArenaDescriptor(
+            kind=KIND_CUDA_IPC, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
+            device_index=int(device), ipc_handle=bytes(handle), storage_size_bytes=int(size),
+            storage_offset_bytes=int(offset), ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset), export_event_handle=bytes(event_handle or b""),
+            export_event_sync_required=bool(event_sync_required), event_handles=self._event_handles,
+        )
+
+    def _live_tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ArenaClosedError(f"CUDA arena on {self.device} is closed")
+        return self._tensor
+
+    def _record(self, keepalive) -> CopyHandle:
+        index = self._next_event
+        self._next_event = (index + 1) % len(self._events)
+        event = self._events[index]
+        event.record(self._copy_stream)
+        return CopyHandle(event, index, keepalive, self._waiter)
+
+    def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
+        """Asynchronous H2D copy (truly async only from pinned memory) on the copy stream."""
+        destination = self.slot_tensor(slot, nbytes)  # uint8 [nbytes] on the device
+        host = host_bytes(source, nbytes, f"copy into slot {slot}")
+        with self._lock, torch.cuda.stream(self._copy_stream):
+            destination.copy_(host, non_blocking=True)
+            return self._record((host,))
+
+    def copy_out(self, slot: int, destination: HostSource, nbytes: int) -> CopyHandle:
+        """Asynchronous D2H copy of a slot into a (pinned) host buffer."""
+        source = self.slot_tensor(slot, nbytes)
+        host = host_bytes(destination, nbytes, f"copy out of slot {slot}")
+        with self._lock, torch.cuda.stream(self._copy_stream):
+            host.copy_(source, non_blocking=True)
+            return self._record((host,))
+
+    def synchronize(self) -> None:
+        self._copy_stream.synchronize()
+
+    def close(self) -> None:
+        if self._tensor is None:
+            return
+        self.synchronize()
+        self._waiter.shutdown(wait=True)
+        # torch frees the block only when every client released its mapping (IPC refcount).
+        self._tensor = None
+        self._events = []

@@ -1,0 +1,59 @@
+"""ArenaDescriptor: everything a client needs to map a storaged arena, as plain values.
+
+The server builds one per session (Arena.descriptor()) and sends it in the Attach reply; the
+client passes it to storaged.device.client_arena.map_arena. Fields hold only ints, strings and
+bytes, so the gRPC layer can copy them to and from protobuf without knowing what they mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from packtools.pack.constants import ALIGNMENT
+from storaged.device.errors import ArenaDescriptorError
+
+KIND_SHM = "shm"  # a shared-memory file mmap'd by both processes (no CUDA)
+KIND_CUDA_IPC = "cuda_ipc"  # one device allocation exported with cudaIpcGetMemHandle
+KINDS = (KIND_SHM, KIND_CUDA_IPC)
+
+
+@dataclass(frozen=True)
+class ArenaDescriptor:
+    kind: str  # KIND_SHM or KIND_CUDA_IPC
+    slot_bytes: int  # bytes per slot, a multiple of 4096
+    slot_count: int
+    # KIND_SHM: the file under /dev/shm to mmap.
+    shm_path: str = ""
+    # KIND_CUDA_IPC: the fields of torch's UntypedStorage._share_cuda_() for the arena storage.
+    device_index: int = -1
+    ipc_handle: bytes = b""  # cudaIpcMemHandle of the allocation holding the arena
+    storage_size_bytes: int = 0  # bytes of the arena storage (slot_bytes * slot_count)
+    storage_offset_bytes: int = 0  # where the arena starts inside that allocation
+    ref_counter_handle: bytes = b""  # torch's cross-process refcount file for this export
+    ref_counter_offset: int = 0
+    export_event_handle: bytes = b""  # event the client waits on once, before first use
+    export_event_sync_required: bool = False
+    # KIND_CUDA_IPC: interprocess copy events; a CopyHandle's event_index indexes this list.
+    event_handles: tuple[bytes, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "event_handles", tuple(self.event_handles))
+        if self.kind not in KINDS:
+            raise ArenaDescriptorError(f"arena kind {self.kind!r} is not one of {KINDS}")
+        if self.slot_bytes <= 0 or self.slot_bytes % ALIGNMENT:
+            raise ArenaDescriptorError(f"slot_bytes {self.slot_bytes} is not a positive multiple of {ALIGNMENT}")
+        if self.slot_count <= 0:
+            raise ArenaDescriptorError(f"slot_count {self.slot_count} must be > 0")
+        if self.kind == KIND_SHM and not self.shm_path:
+            raise ArenaDescriptorError("shm arena descriptor has no shm_path")
+        if self.kind == KIND_CUDA_IPC:
+            if self.device_index < 0 or not self.ipc_handle or not self.ref_counter_handle:
+                raise ArenaDescriptorError(f"cuda_ipc arena descriptor lacks device {self.device_index}, "
+                                           "IPC handle or ref counter handle")
+            if self.storage_size_bytes < self.slot_bytes * self.slot_count:
+                raise ArenaDescriptorError(f"storage of {self.storage_size_bytes} bytes cannot hold "
+                                           f"{self.slot_count} slots of {self.slot_bytes} bytes")
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.slot_bytes * self.slot_count
