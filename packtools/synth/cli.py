@@ -1,0 +1,51 @@
+"""`packtools synth`: arguments and dispatch to the HF and GGUF synthesizers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from packtools.arch import ARCHITECTURES
+
+
+def add_synth_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("arch", choices=sorted(ARCHITECTURES), help="transformers model_type")
+    p.add_argument("-o", "--output", required=True,
+                   help="output directory (hf) or .gguf file path (gguf; split sets get -0000N-of-0000M)")
+    p.add_argument("--format", choices=("hf", "gguf"), default="hf")
+    p.add_argument("--expert-type", default=None,
+                   help="expert element type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K "
+                        "Q6_K MXFP4 (gguf; default F32) or float32/bfloat16/float16 (hf; default bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: 2; kimi_linear 4)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-intermediate-size", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--split-max-tensors", type=int, default=None,
+                   help="gguf: write a split set with at most this many tensors per shard")
+
+
+def _sizes(args) -> dict:
+    sizes = dict(hidden_size=args.hidden_size, num_experts=args.experts, top_k=args.top_k,
+                 moe_intermediate_size=args.moe_intermediate_size, vocab_size=args.vocab_size)
+    if args.layers is not None:
+        sizes["num_layers"] = args.layers
+    return sizes
+
+
+def run_synth(args) -> Path:
+    out = Path(args.output)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; synth never overwrites")
+    if args.format == "hf":
+        from packtools.synth.hf import synth_hf
+
+        result = synth_hf(args.arch, out, seed=args.seed, dtype=args.expert_type or "bfloat16", **_sizes(args))
+        return result.out_dir
+    from packtools.synth.gguf_cli import synth_gguf_model
+
+    files = synth_gguf_model(args.arch, out, seed=args.seed, expert_type=args.expert_type or "F32",
+                             split_max_tensors=args.split_max_tensors, **_sizes(args))
+    return files[0]
