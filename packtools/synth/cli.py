@@ -17,19 +17,33 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert element type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K "
                         "Q6_K MXFP4 (gguf; default F32) or float32/bfloat16/float16 (hf; default bfloat16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="default 64, or 256 when the expert type's block is 256 elements (K-quants)")
     p.add_argument("--layers", type=int, default=None, help="number of layers (default: 2; kimi_linear 4)")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--moe-intermediate-size", type=int, default=32)
+    p.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="default 32, or 256 when the expert type's block is 256 elements (K-quants)")
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--split-max-tensors", type=int, default=None,
                    help="gguf: write a split set with at most this many tensors per shard")
 
 
+def _block_elements(expert_type: str | None) -> int:
+    import gguf
+
+    if expert_type is None or expert_type.upper() not in gguf.GGMLQuantizationType.__members__:
+        return 1  # hf dtypes (float32, bfloat16, ...) are not blocked
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[expert_type.upper()]][0]
+
+
 def _sizes(args) -> dict:
-    sizes = dict(hidden_size=args.hidden_size, num_experts=args.experts, top_k=args.top_k,
-                 moe_intermediate_size=args.moe_intermediate_size, vocab_size=args.vocab_size)
+    # Rows must be whole blocks: a K-quant needs 256-element rows in both directions.
+    block = _block_elements(args.expert_type)
+    hidden = args.hidden_size or max(64, block)
+    inter = args.moe_intermediate_size or max(32, block)
+    sizes = dict(hidden_size=hidden, num_experts=args.experts, top_k=args.top_k,
+                 moe_intermediate_size=inter, vocab_size=args.vocab_size)
     if args.layers is not None:
         sizes["num_layers"] = args.layers
     return sizes
