@@ -1,0 +1,83 @@
+"""Find a model's experts modules, bind each to its layer and expert source, select "expertpack".
+
+transformers does not tell an experts module which layer it belongs to; the layer index is read
+from the module's name (`model.layers.7.mlp.experts` -> 7) and recorded on the module.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers.integrations.moe import ExpertsInterface
+
+from inference.experts.errors import ExpertLayoutError, ExpertsError
+from inference.experts.forward import BINDING_ATTRIBUTE, IMPLEMENTATION_NAME, ExpertsBinding, expertpack_experts_forward
+from inference.experts.plan import build_layer_plan
+from inference.experts.source import ExpertSource
+
+_LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def register_experts_implementation() -> None:
+    """Make "expertpack" a valid experts_implementation (idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION_NAME, expertpack_experts_forward)
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether transformers' @use_experts_implementation decorated this module's class."""
+    return all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")) and hasattr(
+        module, "down_proj")
+
+
+def experts_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:
+    """layer index -> (module name, experts module), for every routed-experts module of the model."""
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        match = _LAYER_IN_NAME.search(name)
+        if match is None:
+            raise ExpertLayoutError(-1, f"experts module {name!r} has no 'layers.<n>' in its name; "
+                                    "cannot tell which pack layer feeds it")
+        layer = int(match.group(1))
+        if layer in found:
+            raise ExpertLayoutError(layer, f"two experts modules, {found[layer][0]!r} and {name!r}")
+        found[layer] = (name, module)
+    return dict(sorted(found.items()))
+
+
+def routed_parameter_names(model: torch.nn.Module) -> set[str]:
+    """state_dict names of the routed expert weights: the experts modules' own parameters."""
+    names = set()
+    for _, (module_name, module) in experts_modules(model).items():
+        names.update(f"{module_name}.{param}" for param, _ in module.named_parameters(recurse=False))
+    return names
+
+
+def bind_experts(model: torch.nn.Module, source: ExpertSource, *, moe_layers: list[int], num_experts: int,
+                 orientation: str, gate_up_layout: str) -> dict[int, ExpertsBinding]:
+    """Attach layer, source and a checked LayerPlan to every experts module; returns them by layer."""
+    modules = experts_modules(model)
+    if list(modules) != list(moe_layers):
+        raise ExpertLayoutError(-1, f"the model has routed experts in layers {list(modules)}, the bundle in "
+                                f"{list(moe_layers)}")
+    bindings = {}
+    for layer, (_, module) in modules.items():
+        plan = build_layer_plan(layer, list(source.layout(layer)), orientation, gate_up_layout, module)
+        if plan.target.num_experts != num_experts:
+            raise ExpertLayoutError(layer, f"the model has {plan.target.num_experts} experts, the bundle "
+                                    f"{num_experts}")
+        binding = ExpertsBinding(layer, source, plan)
+        setattr(module, BINDING_ATTRIBUTE, binding)
+        bindings[layer] = binding
+    return bindings
+
+
+def select_expertpack(model) -> None:
+    """Register and select the expertpack implementation on a transformers PreTrainedModel."""
+    register_experts_implementation()
+    model.set_experts_implementation(IMPLEMENTATION_NAME)
+    if model.config._experts_implementation != IMPLEMENTATION_NAME:
+        raise ExpertsError(f"transformers kept experts_implementation={model.config._experts_implementation!r} "
+                           f"after selecting {IMPLEMENTATION_NAME!r}")

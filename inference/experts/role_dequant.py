@@ -1,0 +1,31 @@
+"""Turn a batch of experts' raw role bytes into weights of the compute dtype, on their device.
+
+F32/F16/BF16 roles are reinterpreted in place on the device (their bytes are the values, so no
+kernel is needed). Quantized roles go through `inference.dequant.dequantize_many`, whose
+float32 results are bit-identical to gguf-py's and whose other dtypes are that result rounded
+once — the same weights transformers holds after loading gguf-py-dequantized tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference.dequant import dequantize_many
+from packtools.pack.constants import ElementType, tensor_nbytes
+
+FLOAT_VIEWS: dict[ElementType, torch.dtype] = {
+    ElementType.F32: torch.float32,
+    ElementType.F16: torch.float16,
+    ElementType.BF16: torch.bfloat16,
+}
+
+
+def dequantize_roles(raw: torch.Tensor, element_type: int, role_shape: tuple[int, ...],
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [n, nbytes] (one contiguous row per expert) -> out_dtype [n, *role_shape] on raw's device."""
+    assert raw.dim() == 2 and raw.shape[1] == tensor_nbytes(element_type, role_shape), (tuple(raw.shape), role_shape)
+    float_dtype = FLOAT_VIEWS.get(ElementType(element_type))
+    if float_dtype is not None:
+        # rows come from torch.cat/stack: fresh, contiguous, aligned for any element size
+        return raw.view(float_dtype).reshape(raw.shape[0], *role_shape).to(out_dtype)
+    return dequantize_many(raw, element_type, role_shape, out_dtype)

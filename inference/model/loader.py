@@ -1,0 +1,96 @@
+"""load_model: a bundle becomes a transformers model whose routed experts come from an expert source.
+
+Five steps: build the model from config.json on the meta device (routed expert weights are never
+allocated), load dense.safetensors onto the device (strictly), load the tokenizer, bind every
+experts module to its layer and the expert source, select the "expertpack" experts implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from inference.experts import ExpertSource, bind_experts, routed_parameter_names, select_expertpack
+from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
+from inference.model.errors import TokenizerLoadError
+from packtools.bundle import DENSE, Bundle, open_bundle
+
+# A source, or something that makes one from the open bundle and the device (LocalPackSource is one).
+ExpertSourceFactory = Callable[[Bundle, torch.device], ExpertSource]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object | None  # a transformers tokenizer, or None when the bundle has none
+    config: PretrainedConfig
+    bundle: Bundle
+    expert_source: ExpertSource
+
+    def close(self) -> None:
+        self.bundle.close()
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # safetensors and IPC handles want a concrete ordinal
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _resolve_source(expert_source: ExpertSource | ExpertSourceFactory, bundle: Bundle,
+                    device: torch.device) -> ExpertSource:
+    # a class (LocalPackSource) has the protocol's attributes too: it is a factory, not a source
+    if isinstance(expert_source, type) or not isinstance(expert_source, ExpertSource):
+        if not callable(expert_source):
+            raise TypeError(f"expert_source must be an ExpertSource or a factory (bundle, device) -> "
+                            f"ExpertSource, got {type(expert_source).__name__}")
+        return expert_source(bundle, device)
+    return expert_source
+
+
+def _load_tokenizer(bundle: Bundle):
+    files = bundle.manifest.get("tokenizer", {}).get("files") or []
+    if not files:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(bundle.path)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"{bundle.path}: tokenizer files {files} do not load: {exc}") from exc
+
+
+def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+               expert_source: ExpertSource | ExpertSourceFactory) -> LoadedModel:
+    """Open the bundle and return a model ready for forward/generate on `device`.
+
+    Non-routed weights are cast to `dtype` (float32 where the model keeps them in float32);
+    routed experts stay on the meta device and are computed from `expert_source`'s objects.
+    """
+    device = _resolve_device(device)
+    bundle = open_bundle(bundle_dir)
+    try:
+        config = AutoConfig.from_pretrained(bundle.path)
+        model = build_meta_model(config, dtype)
+        load_dense(model, bundle.path / DENSE, device, dtype, routed_parameter_names(model))
+        initialize_non_persistent_buffers(model, device)
+        tokenizer = _load_tokenizer(bundle)
+        source = _resolve_source(expert_source, bundle, device)
+        experts = bundle.experts
+        bind_experts(model, source, moe_layers=list(experts["moe_layers"]), num_experts=int(experts["num_experts"]),
+                     orientation=experts.get("orientation", "out_in"), gate_up_layout=experts.get("gate_up", "concat"))
+        select_expertpack(model)
+    except BaseException:
+        bundle.close()
+        raise
+    return LoadedModel(model, tokenizer, model.config, bundle, source)
