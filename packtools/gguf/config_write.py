@@ -153,8 +153,10 @@ def _gpt_oss(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
     if list(config.layer_types) != alternating:
         _refuse(config, "layer_types", config.layer_types, "llama.cpp's gpt-oss alternates sliding/full from layer 0")
-    if config.swiglu_limit != 7.0:
-        _refuse(config, "swiglu_limit", config.swiglu_limit, "llama.cpp's gpt-oss clamps at 7.0")
+    # transformers < 5.18 has no swiglu_limit attribute and always clamps at 7.0.
+    limit = getattr(config, "swiglu_limit", 7.0)
+    if limit != 7.0:
+        _refuse(config, "swiglu_limit", limit, "llama.cpp's gpt-oss clamps at 7.0")
     writer.add_head_count_kv(config.num_key_value_heads)
     _write_head_dim(writer, config.head_dim)
     writer.add_sliding_window(config.sliding_window)

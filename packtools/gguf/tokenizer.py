@@ -14,7 +14,10 @@ from pathlib import Path
 
 import gguf
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+try:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+except ImportError:  # transformers < 5.18 (the lent GPU machine has 5.17) knows no split regexes
+    GGUF_PRE_TOKENIZER_SPLITS = {}
 
 from packtools.gguf.metadata import Metadata
 
