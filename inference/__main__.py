@@ -1,0 +1,5 @@
+import sys
+
+from inference.cli import main
+
+sys.exit(main())

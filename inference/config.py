@@ -1,0 +1,59 @@
+"""Model options shared by `inference generate` and `inference serve`, and the expert source factory."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from inference.engine.timed_source import TimedExpertSource
+from inference.experts import ExpertSource, LocalPackSource
+from inference.model import LoadedModel, load_model
+from packtools.bundle import Bundle
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEVICES = ("cpu", "cuda")
+
+
+class ExpertSourceNotAvailableError(Exception):
+    """The expert source chosen on the command line cannot be used in this build."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged)."""
+    parser.add_argument("--bundle", required=True, help="pack bundle directory (made by `packtools build`)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="dtype of the dense weights and activations (default bfloat16)")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads on CPU (default: torch's choice)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--local", action="store_true",
+                        help="read experts straight from the bundle's pack (the default)")
+    source.add_argument("--storaged", metavar="SOCKET", default=None,
+                        help="get experts from the storaged daemon listening on this Unix socket")
+
+
+def make_expert_source(args: argparse.Namespace, bundle: Bundle, device: torch.device | str | None = None
+                       ) -> ExpertSource:
+    """The expert source the command line asks for, for the opened bundle, on `device`."""
+    device = torch.device(device if device is not None else args.device)
+    if getattr(args, "storaged", None):
+        raise ExpertSourceNotAvailableError(
+            f"--storaged {args.storaged}: the storaged expert source is not available in this build yet; "
+            "use --local to read experts from the bundle's pack")
+    # the wrapper reports the time spent in acquire (expert_wait_seconds) for the metrics
+    return TimedExpertSource(LocalPackSource(bundle, device))
+
+
+def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    """Load the bundle as the parsed model arguments say."""
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    return load_model(args.bundle, device=args.device, dtype=DTYPES[args.dtype],
+                      expert_source=lambda bundle, device: make_expert_source(args, bundle, device))
+
+
+def default_model_name(bundle_dir: str | os.PathLike) -> str:
+    return os.path.basename(os.path.normpath(os.fspath(bundle_dir)))

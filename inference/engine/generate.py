@@ -1,0 +1,148 @@
+"""The generation loop of one request: prefill, then one token at a time with the model's KV cache.
+
+Sampling is ours (inference.engine.sampling), not transformers' generate, so seed and top_p
+semantics are exact. The loop is synchronous and runs on whichever thread calls it (the
+engine's worker, or the CLI's main thread).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from inference.engine.errors import InvalidRequestError
+from inference.engine.params import Finished, SamplingParams, TextDelta, Usage
+from inference.engine.sampling import next_token, request_generator
+from inference.engine.text import IncrementalDecoder, StopMatcher
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+
+
+def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (int or list)."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    return frozenset(int(i) for i in ids)
+
+
+def context_length_of(config) -> int | None:
+    for name in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    # transformers renamed past_key_values to cache (5.2x); the GPU image still runs 5.17
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+class ModelRunner:
+    """A loaded model and its tokenizer, generating for one request at a time."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, eos_ids: Iterable[int], context_length: int | None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.context_length = context_length
+        embeddings = model.get_input_embeddings()
+        self.device = embeddings.weight.device
+        self.vocab_size = int(embeddings.weight.shape[0])
+        self._cache_keyword = _cache_keyword(model)
+        self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "prompt") -> None:
+        """Refuse a prompt the model cannot take, or a max_tokens that does not fit the context."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty (it encodes to no tokens)", param=prompt_param)
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                                      f"{self.vocab_size})", param=prompt_param)
+        if self.context_length is None:
+            return
+        if len(prompt_ids) >= self.context_length:
+            raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                                      f"{self.context_length}", param=prompt_param, code="context_length_exceeded")
+        if len(prompt_ids) + params.max_tokens > self.context_length:
+            raise InvalidRequestError(f"max_tokens {params.max_tokens} + {len(prompt_ids)} prompt tokens exceed "
+                                      f"this model's context of {self.context_length} tokens", param="max_tokens",
+                                      code="context_length_exceeded")
+
+    def room_after(self, prompt_ids: list[int]) -> int:
+        """The most tokens a completion of this prompt may have (the default max_tokens)."""
+        if self.context_length is None:
+            raise InvalidRequestError("max_tokens is required: this model's config gives no context length",
+                                      param="max_tokens")
+        return max(1, self.context_length - len(prompt_ids))
+
+    def _forward(self, input_ids: torch.Tensor, cache) -> tuple[torch.Tensor, object]:
+        """Logits of the last position [V] and the (updated) cache."""
+        kwargs = {"use_cache": True}
+        if cache is not None:
+            kwargs[self._cache_keyword] = cache
+        if self._keeps_last_logits:
+            kwargs["logits_to_keep"] = 1  # a long prompt needs no [P, V] logits
+        output = self.model(input_ids=input_ids, **kwargs)
+        return output.logits[0, -1], _cache_of(output)
+
+    def run(self, prompt_ids: list[int], params: SamplingParams, *, emit: Callable[[TextDelta], None],
+            cancelled: Callable[[], bool] = lambda: False, submitted_at: float | None = None) -> Finished:
+        """Generate for one request, calling `emit` with each piece of safe text; returns its end.
+
+        Exceptions from the model (an expert source failing included) propagate unchanged.
+        """
+        started = time.monotonic()
+        submitted_at = started if submitted_at is None else submitted_at
+        decoder = IncrementalDecoder(self.tokenizer)
+        stops = StopMatcher(params.stop)
+        tokens: list[int] = []
+        first_token_at = None
+        finish_reason, matched_stop = FINISH_LENGTH, False
+        with torch.inference_mode():
+            generator = request_generator(params, self.device)
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
+            cache = None
+            while len(tokens) < params.max_tokens:
+                if cancelled():
+                    finish_reason = FINISH_CANCELLED
+                    break
+                logits, cache = self._forward(input_ids, cache)  # [V]
+                token = next_token(logits, params, generator)
+                tokens.append(token)
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                if token in self.eos_ids:
+                    finish_reason = FINISH_STOP
+                    break
+                safe, matched_stop = stops.add(decoder.push(token))
+                if safe:
+                    emit(TextDelta(safe))
+                if matched_stop:
+                    finish_reason = FINISH_STOP
+                    break
+                input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        if not matched_stop:  # release what the decoder and the stop matcher still hold
+            safe, matched_stop = stops.add(decoder.flush())
+            tail = safe if matched_stop else safe + stops.finish()
+            if matched_stop:
+                finish_reason = FINISH_STOP
+            if tail and finish_reason != FINISH_CANCELLED:
+                emit(TextDelta(tail))
+        ended = time.monotonic()
+        ttft = None if first_token_at is None else first_token_at - submitted_at
+        return Finished(finish_reason, stops.text, Usage(len(prompt_ids), len(tokens)), tuple(tokens),
+                        ttft, ended - started)

@@ -1,0 +1,88 @@
+"""`inference generate`: the same tokens as the engine, streamed to stdout, and clear refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_engine_fixtures import loaded, one_thread, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
+from test_server_fixtures import REPO
+
+from inference.cli import build_parser, main
+from inference.config import ExpertSourceNotAvailableError, make_expert_source
+from inference.engine import ModelRunner, SamplingParams, encode_chat, encode_completion_prompt
+from inference.engine.timed_source import TimedExpertSource
+from inference.experts import LocalPackSource
+
+PROMPT = "The old library on the hill"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def generate_args(bundle, *extra: str) -> list[str]:
+    return ["generate", "--bundle", str(bundle), "--dtype", "float32", "--local", "--prompt", PROMPT, *extra]
+
+
+def engine_text(loaded, prompt_ids, **params) -> str:
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(2,), context_length=None)
+    return runner.run(prompt_ids, SamplingParams(**params), emit=lambda d: None).text
+
+
+def test_generate_prints_the_engines_greedy_text(qwen_bundle, loaded, capsys):
+    assert main(generate_args(qwen_bundle, "--max-tokens", "12")) == 0
+    out, err = capsys.readouterr()
+    expected = engine_text(loaded, encode_completion_prompt(loaded.tokenizer, PROMPT), max_tokens=12, temperature=0)
+    assert out == expected + "\n"
+    assert "finish_reason=length" in err and "completion_tokens=12" in err
+
+
+def test_generate_chat_seed_and_stop(qwen_bundle, loaded, capsys):
+    chat_ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": PROMPT}])
+    args = ["--chat", "--max-tokens", "10", "--temperature", "0.9", "--top-p", "0.8", "--seed", "21"]
+    assert main(generate_args(qwen_bundle, *args)) == 0
+    sampled = capsys.readouterr().out
+    assert sampled == engine_text(loaded, chat_ids, max_tokens=10, temperature=0.9, top_p=0.8, seed=21) + "\n"
+
+    full = engine_text(loaded, chat_ids, max_tokens=20, temperature=0)
+    stop = full[6:8]
+    assert main(generate_args(qwen_bundle, "--chat", "--max-tokens", "20", "--stop", stop)) == 0
+    out, err = capsys.readouterr()
+    assert out == full[:full.index(stop)] + "\n" and "finish_reason=stop" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--top-p", "0"], "top_p must be a number in (0, 1]"),
+    (["--temperature", "3"], "temperature must be a number in [0, 2]"),
+    (["--max-tokens", "5000"], "exceed this model's context"),
+])
+def test_generate_refuses_bad_settings(qwen_bundle, capsys, extra, message):
+    assert main(generate_args(qwen_bundle, *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_storaged_is_selectable_but_says_it_is_not_available(qwen_bundle, loaded, capsys):
+    assert main(["generate", "--bundle", str(qwen_bundle), "--prompt", "x", "--storaged", "/run/s.sock"]) == 2
+    assert "storaged expert source is not available" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--bundle", str(qwen_bundle), "--storaged", "/run/s.sock"])
+    with pytest.raises(ExpertSourceNotAvailableError, match="/run/s.sock"):
+        make_expert_source(args, loaded.bundle)
+    local = make_expert_source(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle)]), loaded.bundle)
+    assert isinstance(local, TimedExpertSource) and isinstance(local.source, LocalPackSource)
+    assert local.source.device == torch.device("cpu")
+
+
+def test_local_and_storaged_are_exclusive(qwen_bundle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["generate", "--bundle", str(qwen_bundle), "--prompt", "x", "--local",
+                                   "--storaged", "s.sock"])
+    assert exit_.value.code == 2
+
+
+def test_python_m_inference_generate_streams_from_stdin(qwen_bundle, loaded):
+    command = [sys.executable, "-m", "inference", *generate_args(qwen_bundle, "--max-tokens", "6")]
+    command[command.index(PROMPT)] = "-"
+    result = subprocess.run(command, cwd=REPO, input=PROMPT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = engine_text(loaded, encode_completion_prompt(loaded.tokenizer, PROMPT), max_tokens=6, temperature=0)
+    assert result.stdout == expected + "\n"

@@ -1,0 +1,187 @@
+"""The engine's queue and worker: concurrency, order, cancellation, shutdown, an expert source that goes
+away and comes back, and the metrics all of that records."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+
+import pytest
+import torch
+from test_engine_fixtures import FlakyDaemonSource, engine, loaded, one_thread, qwen_bundle  # noqa: F401
+
+from inference.engine import (
+    Engine,
+    EngineClosedError,
+    EngineInternalError,
+    ExpertSourceUnavailableError,
+    Finished,
+    SamplingParams,
+    TextDelta,
+    encode_completion_prompt,
+)
+from inference.model import load_model
+from storaged.client.errors import Unavailable
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def sample(name: str, engine: Engine) -> float:
+    value = engine.metrics.registry.get_sample_value(f"expertpack_inference_{name}")
+    return 0.0 if value is None else value
+
+
+def finish(engine: Engine, prompt_ids, **params) -> Finished:
+    return list(engine.generate(prompt_ids, SamplingParams(**params)))[-1]
+
+
+@pytest.fixture
+def prompt_ids(loaded):
+    return encode_completion_prompt(loaded.tokenizer, "A cache is useful only when")
+
+
+def test_concurrent_streams_all_finish_with_their_own_tokens(engine, prompt_ids):
+    requests = [dict(max_tokens=12, temperature=0)] + [dict(max_tokens=12, temperature=1.0, seed=s) for s in range(5)]
+    expected = [finish(engine, prompt_ids, **r).token_ids for r in requests]
+    tokens_before = sample("generated_tokens_total", engine)
+    ttft_before = sample("time_to_first_token_seconds_count", engine)
+
+    async def one(request):
+        events = [e async for e in engine.stream(prompt_ids, SamplingParams(**request))]
+        assert "".join(e.text for e in events[:-1]) == events[-1].text
+        return events[-1].token_ids
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    assert asyncio.run(all_at_once()) == expected
+    assert sample("generated_tokens_total", engine) - tokens_before == 12 * len(requests)
+    assert sample("time_to_first_token_seconds_count", engine) - ttft_before == len(requests)
+    assert sample("decode_seconds_total", engine) > 0
+    assert sample("queue_depth", engine) == 0 and sample("requests_running", engine) == 0
+
+
+def test_requests_run_one_at_a_time_in_submission_order(engine, prompt_ids):
+    ends: queue.SimpleQueue = queue.SimpleQueue()
+    names = ["a", "b", "c", "d"]
+    for name in names:
+        engine.submit(prompt_ids, SamplingParams(max_tokens=10, temperature=0),
+                      lambda event, name=name: isinstance(event, Finished) and ends.put(name), request_id=name)
+    assert [ends.get(timeout=30) for _ in names] == names
+
+
+def test_a_cancelled_request_stops_and_the_next_one_runs(engine, prompt_ids):
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    job = None
+
+    def sink(event):
+        events.put(event)
+        if isinstance(event, TextDelta):
+            job.cancel()
+
+    job = engine.submit(prompt_ids, SamplingParams(max_tokens=1000, temperature=0), sink)
+    while not isinstance(last := events.get(timeout=30), Finished):
+        pass
+    assert last.finish_reason == "cancelled" and last.usage.completion_tokens < 1000
+    assert finish(engine, prompt_ids, max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_closing_the_async_stream_early_cancels_the_request(engine, prompt_ids):
+    async def read_one_then_leave():
+        stream = engine.stream(prompt_ids, SamplingParams(max_tokens=2000, temperature=0))
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    started = time.monotonic()
+    assert isinstance(asyncio.run(read_one_then_leave()), TextDelta)
+    finish(engine, prompt_ids, max_tokens=1, temperature=0)  # queued behind the cancelled one
+    assert time.monotonic() - started < 2.0  # 2000 tokens take several seconds
+
+
+@pytest.fixture
+def flaky(qwen_bundle):
+    with load_model(qwen_bundle, device="cpu", dtype=torch.float32, expert_source=FlakyDaemonSource) as model:
+        engine = Engine.from_loaded(model)
+        yield engine, model.expert_source
+        engine.close()
+
+
+def health(engine: Engine):
+    return asyncio.run(engine.health())
+
+
+def wait_healthy(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (report := health(engine)).ok:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.02)
+
+
+def test_unavailable_source_fails_the_request_then_recovers(flaky, prompt_ids, engine):
+    flaky_engine, source = flaky
+    reference = finish(engine, prompt_ids, max_tokens=8, temperature=0).token_ids
+    source.up = False
+    with pytest.raises(ExpertSourceUnavailableError, match="expert source is unavailable") as caught:
+        finish(flaky_engine, prompt_ids, max_tokens=8, temperature=0)
+    assert isinstance(caught.value.__cause__, Unavailable)
+    assert source.reconnects == 1  # asked right after the failure
+    report = health(flaky_engine)
+    assert not report.ok and "unavailable" in report.reason
+    with pytest.raises(ExpertSourceUnavailableError):  # still down: refused after another reconnect try
+        finish(flaky_engine, prompt_ids, max_tokens=8, temperature=0)
+    assert source.reconnects >= 2
+    assert sample("expert_source_unavailable_total", flaky_engine) == 2
+
+    source.up = True
+    wait_healthy(flaky_engine)  # health itself gets the engine to reconnect
+    assert finish(flaky_engine, prompt_ids, max_tokens=8, temperature=0).token_ids == reference
+
+
+def test_source_lost_mid_request_keeps_the_text_so_far_then_recovers(flaky, prompt_ids):
+    flaky_engine, source = flaky
+    source.fail_after = source.acquires + 2 * 3  # two MoE layers: prefill and two decode steps succeed
+    seen = []
+    with pytest.raises(ExpertSourceUnavailableError):
+        for event in flaky_engine.generate(prompt_ids, SamplingParams(max_tokens=50, temperature=0)):
+            seen.append(event)
+    assert seen and all(isinstance(e, TextDelta) for e in seen)
+    source.up = True
+    assert finish(flaky_engine, prompt_ids, max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+def test_other_source_faults_are_internal_errors_and_the_engine_goes_on(flaky, prompt_ids):
+    flaky_engine, source = flaky
+    source.broken = OSError(5, "Input/output error")
+    with pytest.raises(EngineInternalError, match="OSError.*Input/output error"):
+        finish(flaky_engine, prompt_ids, max_tokens=4, temperature=0)
+    assert health(flaky_engine).ok  # not an availability problem
+    source.broken = None
+    assert finish(flaky_engine, prompt_ids, max_tokens=4, temperature=0).finish_reason == "length"
+
+
+def test_expert_wait_seconds_come_from_the_source_hook(flaky, prompt_ids):
+    flaky_engine, source = flaky
+    before_metric, before_source = sample("expert_wait_seconds_total", flaky_engine), source.wait_seconds
+    finish(flaky_engine, prompt_ids, max_tokens=5, temperature=0)
+    assert source.wait_seconds > before_source
+    assert sample("expert_wait_seconds_total", flaky_engine) - before_metric == pytest.approx(
+        source.wait_seconds - before_source)
+
+
+def test_close_fails_queued_requests_and_refuses_new_ones(loaded, prompt_ids):
+    closing = Engine.from_loaded(loaded)
+    outcomes: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in ("long", "queued")}
+    closing.submit(prompt_ids, SamplingParams(max_tokens=3000, temperature=0), outcomes["long"].put)
+    closing.submit(prompt_ids, SamplingParams(max_tokens=5, temperature=0), outcomes["queued"].put)
+    first = outcomes["long"].get(timeout=30)  # the long one is running
+    assert isinstance(first, TextDelta)
+    closing.close()
+    while not isinstance(last := outcomes["long"].get(timeout=30), Finished):
+        pass
+    assert last.finish_reason == "cancelled"
+    assert isinstance(outcomes["queued"].get(timeout=30), EngineClosedError)
+    with pytest.raises(EngineClosedError):
+        closing.submit(prompt_ids, SamplingParams(max_tokens=5), lambda e: None)
+    assert not health(closing).ok
