@@ -1,0 +1,230 @@
+"""StorageClient: the synchronous client inference links against (no server imports).
+
+    client = StorageClient("/run/expertpack/storaged.sock")
+    session = client.attach("qwen3-30b")
+    slots = session.acquire(layer=3, experts=[5, 17, 40])   # pinned until layer 3's next acquire
+    weights = session.slot_bytes(slots[0], nbytes)          # uint8 view into the mapped arena
+    session.close(); client.close()
+
+All of a session's Acquire calls travel on one long-lived bidirectional stream (a request
+iterator fed by a queue), so a call costs one message each way rather than a new RPC. If the
+stream fails (the server aborts it with a status code), the session's pins are gone and a fresh
+stream is opened for the same session. The session ends when this stream ends: close() or the
+death of this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
+from storaged.client import replies
+from storaged.client.errors import ClientClosed, StorageError, Unavailable, from_rpc_error
+from storaged.client.layout import LayerLayout, ObjectLayout, arena_from_proto, layers_from_proto
+from storaged.device.client_arena import ClientArena, map_arena
+
+_END = object()  # ends a stream's request iterator
+# Acquire call metadata naming the session: the server binds the stream to the session when the
+# call opens, so the session ends with this process even before its first request.
+SESSION_METADATA_KEY = "expertpack-session"
+
+
+class _AcquireStream:
+    """One Acquire RPC: requests go in through a queue, replies come back in order."""
+
+    def __init__(self, stub: pb_grpc.ExpertStorageStub, session_id: str):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: Iterator[pb.AcquireResponse] = stub.Acquire(
+            iter(self._requests.get, _END), metadata=((SESSION_METADATA_KEY, session_id),))
+
+    def call(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
+        self._requests.put(request)
+        try:
+            return next(self._replies)
+        except StopIteration:
+            raise StorageError(grpc.StatusCode.UNKNOWN, "the server ended the Acquire stream without "
+                               "a status", rpc="Acquire") from None
+
+    def close(self) -> None:
+        """Half-close and wait for the server to end the stream (it releases the pins)."""
+        self._requests.put(_END)
+        try:
+            for _ in self._replies:
+                pass
+        except grpc.RpcError:
+            pass  # the stream already failed; its pins are gone either way
+
+    def cancel(self) -> None:
+        self._requests.put(_END)
+        self._replies.cancel()  # type: ignore[attr-defined]
+
+
+class Session:
+    """A model attached in the daemon: the mapped arena, the slot layout, and the Acquire stream."""
+
+    def __init__(self, client: StorageClient, model: str, reply: pb.AttachResponse):
+        self._client = client
+        self.model = model
+        self.id = reply.session_id
+        self.slot_size = reply.slot_bytes
+        self.slot_count = reply.slot_count
+        self.layers: dict[int, LayerLayout] = layers_from_proto(reply.layout)
+        try:
+            self.arena: ClientArena = map_arena(arena_from_proto(reply.arena, reply.slot_bytes,
+                                                                 reply.slot_count))
+        except BaseException:
+            with contextlib.suppress(StorageError):
+                client._call("Detach", pb.DetachRequest(session_id=self.id))  # no stream yet: end it
+            raise
+        self._lock = threading.Lock()  # pairs each request with its reply on the shared stream
+        self._next_request = 0
+        self._closed = False
+        # Opened now, not at the first acquire: the session's lifetime is this stream's.
+        self._stream: _AcquireStream | None = _AcquireStream(client._stub, self.id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"session {self.id} of model {self.model!r} is closed")
+
+    def acquire(self, layer: int, experts: Sequence[int], *, stream=None) -> list[int]:
+        """Slot ids of `experts` of `layer`, in order; pinned until the layer's next acquire.
+
+        On a CUDA arena, `stream` (default: the current stream) is made to wait for copies
+        still in flight, so work queued on it afterwards sees the slots' bytes.
+        """
+        slots, events = self.acquire_raw(layer, experts)
+        for event in {e for e in events if e >= 0}:
+            self.arena.wait_event(event, stream)
+        return slots
+
+    def acquire_raw(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(slots, ready_events): each event index must be waited on before reading that slot
+        (-1: already complete). For callers that manage their own streams."""
+        with self._lock:
+            self._check_open()
+            self._next_request += 1
+            request = pb.AcquireRequest(session_id=self.id, layer=layer, experts=experts,
+                                        request_id=self._next_request)
+            if self._stream is None:
+                self._stream = _AcquireStream(self._client._stub, self.id)
+            try:
+                reply = self._stream.call(request)
+            except (grpc.RpcError, StorageError) as exc:
+                # A failed stream is finished (the server released the pins); the session lives
+                # on if the server ended it with an error, so open its next stream right away.
+                self._stream = _AcquireStream(self._client._stub, self.id)
+                raise (from_rpc_error(exc, "Acquire") if isinstance(exc, grpc.RpcError) else exc) from None
+        assert reply.request_id == request.request_id, (reply.request_id, request.request_id)
+        return list(reply.slots), list(reply.ready_events)
+
+    def release(self, layer: int | None = None) -> None:
+        """Unpin `layer`'s slots, or every slot of the session."""
+        self._check_open()
+        self._client._call("Release", pb.ReleaseRequest(session_id=self.id, layer=layer))
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Hint that `experts` of `layer` will be acquired soon; returns at once."""
+        self._check_open()
+        self._client._call("Prefetch", pb.PrefetchRequest(session_id=self.id, layer=layer, experts=experts))
+
+    def object_layout(self, layer: int, expert: int) -> ObjectLayout:
+        """Where each role of (layer, expert) lies inside its slot."""
+        layout = self.layers.get(layer)
+        if layout is None:
+            raise KeyError(f"model {self.model!r}: layer {layer} has no routed experts "
+                           f"(MoE layers: {sorted(self.layers)})")
+        return layout.object(expert)
+
+    def slot_bytes(self, slot: int, nbytes: int | None = None):
+        """uint8 tensor view of the slot's first nbytes (whole slot by default); read-only use."""
+        return self.arena.slot_view(slot, nbytes)
+
+    def role_bytes(self, slot: int, layer: int, expert: int, role: int):
+        """uint8 tensor view of one role's bytes of (layer, expert), held in `slot`."""
+        where = self.object_layout(layer, expert).role(role)
+        return self.arena.slot_view(slot, where.end)[where.offset:]  # [nbytes] at the role's offset
+
+    def close(self) -> None:
+        """End the Acquire stream (releasing the pins), detach, and unmap. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        try:
+            self._client._call("Detach", pb.DetachRequest(session_id=self.id))
+        except (StorageError, ClientClosed):
+            pass  # the daemon is gone or already forgot the session: nothing left to free
+        self.arena.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StorageClient:
+    """A connection to storaged over its Unix socket. Thread-safe; sessions are not shared."""
+
+    def __init__(self, socket_path: str, *, timeout: float = 60.0):
+        self.socket_path = str(socket_path)
+        self.timeout = timeout  # seconds for unary calls
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+        self._stub = pb_grpc.ExpertStorageStub(self._channel)
+        self._closed = False
+
+    def _call(self, rpc: str, request):
+        if self._closed:
+            raise ClientClosed(f"client of {self.socket_path} is closed")
+        try:
+            return getattr(self._stub, rpc)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, rpc) from None
+
+    def info(self) -> replies.ServerInfo:
+        return replies.server_info(self._call("Info", pb.InfoRequest()))
+
+    def stats(self) -> replies.Stats:
+        return replies.stats(self._call("Stats", pb.StatsRequest()))
+
+    def attach(self, model: str) -> Session:
+        return Session(self, model, self._call("Attach", pb.AttachRequest(model=model)))
+
+    def wait_until_serving(self, timeout: float = 30.0) -> None:
+        """Poll the standard health service until the daemon reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.05)
+        raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"{self.socket_path} not SERVING after {timeout}s "
+                          f"(last: {last})", rpc="Health.Check")
+
+    def close(self) -> None:
+        self._closed = True
+        self._channel.close()
+
+    def __enter__(self) -> StorageClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,87 @@
+"""Client-side view of what Attach returns: the arena descriptor and where each role of an
+expert object lies in a slot.
+
+Plain dataclasses built from the protobuf once per session, so inference never touches
+generated code on its hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.errors import ArenaDescriptorError
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    role: int  # packtools Role id (1 gate, 2 up, 3 down, 4 gate_up, 5..8 biases)
+    element_type: int  # gguf.GGMLQuantizationType id
+    shape: tuple[int, ...]  # logical elements, last dim contiguous and blocked
+    offset: int  # bytes from the start of the slot
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class ObjectLayout:
+    object_bytes: int  # payload bytes of the object (<= slot_bytes)
+    roles: tuple[RoleLayout, ...]
+
+    def role(self, role: int) -> RoleLayout:
+        for entry in self.roles:
+            if entry.role == role:
+                return entry
+        raise KeyError(f"object has no role {role} (has {[r.role for r in self.roles]})")
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    layer: int  # model layer index
+    expert_count: int
+    common: ObjectLayout  # layout of every expert not in `overrides`
+    overrides: dict[int, ObjectLayout]  # expert id → its own layout (normally empty)
+
+    def object(self, expert: int) -> ObjectLayout:
+        if not 0 <= expert < self.expert_count:
+            raise KeyError(f"layer {self.layer}: expert {expert} out of range [0, {self.expert_count})")
+        return self.overrides.get(expert, self.common)
+
+
+def _roles_from_proto(roles) -> tuple[RoleLayout, ...]:
+    return tuple(RoleLayout(int(r.role), r.element_type, tuple(r.shape), r.offset, r.nbytes) for r in roles)
+
+
+def layers_from_proto(layout: pb.ModelLayout) -> dict[int, LayerLayout]:
+    """Model layer index → LayerLayout."""
+    layers = {}
+    for layer in layout.layers:
+        overrides = {o.expert: ObjectLayout(o.object_bytes, _roles_from_proto(o.roles))
+                     for o in layer.expert_overrides}
+        common = ObjectLayout(layer.object_bytes, _roles_from_proto(layer.roles))
+        layers[layer.layer] = LayerLayout(layer.layer, layer.expert_count, common, overrides)
+    return layers
+
+
+def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int) -> ArenaDescriptor:
+    """The device module's descriptor, ready for map_arena."""
+    which = arena.WhichOneof("memory")
+    if which == "shm":
+        if arena.shm.offset:
+            raise ArenaDescriptorError(f"shm arena at offset {arena.shm.offset} of {arena.shm.path}: "
+                                       "this client maps arenas at offset 0 only")
+        return ArenaDescriptor(kind=KIND_SHM, slot_bytes=slot_bytes, slot_count=slot_count,
+                               shm_path=arena.shm.path)
+    if which == "cuda_ipc":
+        c = arena.cuda_ipc
+        return ArenaDescriptor(
+            kind=KIND_CUDA_IPC, slot_bytes=slot_bytes, slot_count=slot_count, device_index=c.device,
+            ipc_handle=c.ipc_handle, storage_size_bytes=c.storage_size_bytes,
+            storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, export_event_handle=c.event_handle,
+            export_event_sync_required=c.event_sync_required, event_handles=tuple(arena.event_handles))
+    raise ArenaDescriptorError(f"Attach reply has no arena memory (oneof 'memory' is {which!r})")

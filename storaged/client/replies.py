@@ -1,0 +1,79 @@
+"""Plain values for the Info and Stats replies, so callers never handle protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    model_type: str  # Hugging Face model_type, e.g. "qwen3_moe"
+    moe_layers: tuple[int, ...]  # model layer indices with routed experts
+    expert_count: int  # routed experts per MoE layer
+    max_object_bytes: int
+    bundle_path: str  # on the daemon's host
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    server_version: str
+    api_version: int
+    capabilities: frozenset[str]  # e.g. {"SHM_ARENA", "PREFETCH", "CHECKSUM_VERIFY", "DIRECT_IO"}
+    models: dict[str, ModelInfo]
+    device: str  # "cpu" or "cuda:N"
+    slot_bytes: int
+    slot_count: int
+    host_cache_bytes: int  # 0: host tier off
+    max_ids_per_acquire: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    hits: int
+    misses: int  # includes misses that joined a load in flight (`coalesced`)
+    evictions: int
+    resident_experts: int
+    resident_bytes: int
+    capacity_slots: int
+    coalesced: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    tiers: dict[str, TierStats]  # "vram", and "host" when that tier is on
+    bytes_read: int
+    h2d_bytes: int
+    io_errors: int
+    checksum_failures: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_wasted: int
+    sessions: int
+    pins: int  # VRAM pins held by all sessions now
+    acquires: int
+    capacity_exhausted: int
+    acquire_latency_mean_us: float
+    read_latency_mean_us: float
+    loads_in_flight: int
+    reads: int
+
+
+def server_info(reply: pb.InfoResponse) -> ServerInfo:
+    models = {m.name: ModelInfo(m.name, m.model_type, tuple(m.moe_layers), m.expert_count,
+                                m.max_object_bytes, m.bundle_path) for m in reply.models}
+    capabilities = frozenset(pb.Capability.Name(c).removeprefix("CAPABILITY_") for c in reply.capabilities)
+    return ServerInfo(reply.server_version, reply.api_version, capabilities, models, reply.device,
+                      reply.slot_bytes, reply.slot_count, reply.host_cache_bytes, reply.max_ids_per_acquire)
+
+
+def stats(reply: pb.StatsResponse) -> Stats:
+    tiers = {t.tier: TierStats(t.hits, t.misses, t.evictions, t.resident_experts, t.resident_bytes,
+                               t.capacity_slots, t.coalesced) for t in reply.tiers}
+    return Stats(
+        tiers, reply.bytes_read, reply.h2d_bytes, reply.io_errors, reply.checksum_failures,
+        reply.prefetch_issued, reply.prefetch_used, reply.prefetch_wasted, reply.sessions, reply.pins,
+        reply.acquires, reply.capacity_exhausted, reply.acquire_latency_mean_us,
+        reply.read_latency_mean_us, reply.loads_in_flight, reply.reads)

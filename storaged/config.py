@@ -1,0 +1,201 @@
+"""storaged's configuration: one frozen, validated dataclass filled from TOML, then CLI flags.
+
+    config = load_config(Path("storaged.toml"), overrides={"vram_cache_bytes": "8GiB"})
+
+Every field is checked in __post_init__; a bad value raises ConfigError naming the field and
+the value, so the daemon can print it and exit before touching any device or file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SOCKET = "/run/expertpack/storaged.sock"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
+METRICS_OFF = ("", "off")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DEVICE_PATTERN = re.compile(r"^(cpu|cuda:(\d+))$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; names the field (or file) and the offending value."""
+
+    def __init__(self, field: str, value: Any, problem: str):
+        super().__init__(f"config field {field!r} = {value!r}: {problem}")
+        self.field = field
+        self.value = value
+
+
+def parse_size(value: int | str, field: str = "size") -> int:
+    """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5G" (decimal) or "4096"."""
+    if isinstance(value, bool):
+        raise ConfigError(field, value, "expected a byte count, not a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(field, value, "a size cannot be negative")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(field, value, "expected a byte count or a string such as '8GiB'")
+    match = _SIZE_PATTERN.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(field, value, "not a size; use a byte count or a number with a unit "
+                          "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    nbytes = float(match.group(1)) * _SIZE_UNITS[unit]
+    if nbytes != int(nbytes):
+        raise ConfigError(field, value, "not a whole number of bytes")
+    return int(nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoragedConfig:
+    """Everything the daemon is told. Sizes are in bytes; paths are absolute after validation."""
+
+    models: Mapping[str, Path]  # model name → bundle directory
+    vram_cache_bytes: int  # byte budget of the arena (slot_count = this // slot size)
+    socket: Path = Path(DEFAULT_SOCKET)
+    host_cache_bytes: int = 0  # pinned host-RAM tier; 0 = off
+    staging_buffers: int = 8  # aligned host buffers pack reads land in
+    io_parallelism: int = 4  # pack reads in flight
+    direct_io: bool = True  # O_DIRECT pack reads (bypass the page cache)
+    verify_checksums: bool = True  # crc32 of every object read, before its slot is published
+    metrics_address: str = DEFAULT_METRICS_ADDRESS  # host:port of the Prometheus endpoint; "" = off
+    device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
+    shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
+    max_ids_per_acquire: int = 256  # most expert ids in one Acquire or Prefetch
+    # Reserved for peer-credential checks; must stay unset (None) until they are implemented.
+    allowed_uids: tuple[int, ...] | None = None
+    allowed_gids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place once, here only
+        if not isinstance(self.models, Mapping) or not self.models:
+            raise ConfigError("models", self.models, "at least one model (name = bundle directory) is needed")
+        models = {}
+        for name, path in self.models.items():
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+                raise ConfigError("models", name, "a model name is letters, digits, '.', '_' or '-'")
+            if not isinstance(path, (str, Path)) or not str(path):
+                raise ConfigError(f"models.{name}", path, "expected the path of a bundle directory")
+            models[name] = Path(path).expanduser().absolute()
+        set_(self, "models", models)
+        if not isinstance(self.socket, (str, Path)) or not str(self.socket):
+            raise ConfigError("socket", self.socket, "expected a filesystem path")
+        set_(self, "socket", Path(self.socket).expanduser().absolute())
+        set_(self, "vram_cache_bytes", parse_size(self.vram_cache_bytes, "vram_cache_bytes"))
+        if self.vram_cache_bytes == 0:
+            raise ConfigError("vram_cache_bytes", 0, "the arena needs at least one slot")
+        set_(self, "host_cache_bytes", parse_size(self.host_cache_bytes, "host_cache_bytes"))
+        for field in ("staging_buffers", "io_parallelism", "max_ids_per_acquire"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(field, value, "expected a positive integer")
+        for field in ("direct_io", "verify_checksums"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(field, getattr(self, field), "expected true or false")
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
+            raise ConfigError("device", self.device, "expected 'cpu' or 'cuda:N'")
+        grace = self.shutdown_grace_seconds
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 3600:
+            raise ConfigError("shutdown_grace_seconds", grace, "expected seconds between 0 and 3600")
+        set_(self, "shutdown_grace_seconds", float(grace))
+        set_(self, "metrics_address", self._checked_metrics_address())
+        for field in ("allowed_uids", "allowed_gids"):
+            set_(self, field, self._checked_ids(field))
+            if getattr(self, field) is not None:
+                # Reserved: gRPC does not expose the peer's credentials, so they cannot be
+                # checked yet. Refuse rather than silently admit everyone.
+                raise ConfigError(field, list(getattr(self, field)), "not enforced by this version; "
+                                  "restrict access with the socket directory's permissions and group")
+
+    def _checked_metrics_address(self) -> str:
+        address = self.metrics_address
+        if not isinstance(address, str):
+            raise ConfigError("metrics_address", address, "expected 'host:port', '' or 'off'")
+        if address.strip().lower() in METRICS_OFF:
+            return ""
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("metrics_address", address, "expected 'host:port' (port 1-65535), '' or 'off'")
+        return address
+
+    def _checked_ids(self, field: str) -> tuple[int, ...] | None:
+        ids = getattr(self, field)
+        if ids is None:
+            return None
+        if isinstance(ids, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(field, ids, "expected a list of non-negative integer ids")
+        return tuple(ids)
+
+    @property
+    def metrics_enabled(self) -> bool:
+        return bool(self.metrics_address)
+
+    @property
+    def cuda_device_index(self) -> int | None:
+        match = _DEVICE_PATTERN.match(self.device)
+        assert match is not None  # validated in __post_init__
+        return int(match.group(2)) if match.group(2) is not None else None
+
+
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(StoragedConfig))
+
+
+def config_from_mapping(values: Mapping[str, Any], *, source: str = "config") -> StoragedConfig:
+    """Build a config from a flat mapping (a parsed TOML table); unknown keys are an error."""
+    unknown = sorted(set(values) - FIELD_NAMES)
+    if unknown:
+        raise ConfigError(source, unknown, f"unknown key(s) {', '.join(unknown)}; "
+                          f"known keys: {', '.join(sorted(FIELD_NAMES))}")
+    missing = [name for name in ("models", "vram_cache_bytes") if name not in values]
+    if missing:
+        raise ConfigError(source, None, f"required key(s) missing: {', '.join(missing)}")
+    return StoragedConfig(**values)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML file's table, with relative bundle paths made relative to the file's directory."""
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("--config", str(path), "file not found") from None
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+    if isinstance(values.get("models"), Mapping):
+        # Relative bundle paths are relative to the config file, not to the daemon's cwd.
+        base = Path(path).absolute().parent
+        values["models"] = {name: base / Path(p).expanduser() if isinstance(p, str) else p
+                            for name, p in values["models"].items()}
+    return values
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None, *,
+                extra_models: Mapping[str, str | Path] | None = None) -> StoragedConfig:
+    """Read a TOML file (optional), then apply overrides (CLI flags; None values are ignored).
+
+    `extra_models` are added to the file's models, replacing any of the same name.
+    """
+    values = read_config_file(path) if path is not None else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    if extra_models:
+        file_models = values.get("models")
+        values["models"] = {**(file_models if isinstance(file_models, Mapping) else {}), **extra_models}
+    return config_from_mapping(values, source=str(path) if path is not None else "command line")

@@ -1,0 +1,163 @@
+"""The daemon's life: start-up in a fixed order, serve, and a draining shutdown on SIGTERM/SIGINT.
+
+Start-up (storaged.cli validated the config and opened the bundles already): socket path
+checked → arena, staging, host tier, reader → gRPC on the Unix socket → health SERVING →
+READY=1 to systemd. Until the socket listens, clients get UNAVAILABLE from their channel; while
+stopping, from the servicer. Shutdown: health NOT_SERVING, refuse new
+work, end idle Acquire streams, let in-flight RPCs finish within shutdown_grace_seconds, drain
+loads, free everything, remove the socket, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
+from storaged.config import StoragedConfig
+from storaged.server.models import ServedModel
+from storaged.server.notify import notify
+from storaged.server.runtime import Runtime, StartupError, build_runtime
+from storaged.server.servicer import ExpertStorageServicer
+from storaged.server.sessions import SessionRegistry
+from storaged.server.stats import SYNC_INTERVAL_SECONDS, MetricsSync
+
+EXIT_OK = 0
+EXIT_STARTUP = 1
+SOCKET_MODE = 0o660
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStorage"].full_name
+
+log = logging.getLogger("storaged")
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Create the parent directory; remove a stale socket; refuse if a daemon is listening there."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise StartupError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow "
+                           f"{MAX_SOCKET_PATH}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # nobody listens: a socket left behind by a daemon that died
+            return
+    raise StartupError(f"another process is already listening on {path}")
+
+
+def _remove_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+async def _set_health(health: HealthServicer, status: int) -> None:
+    for service in ("", SERVICE_NAME):
+        await health.set(service, status)
+
+
+async def _sync_metrics_forever(sync: MetricsSync) -> None:
+    while True:
+        await asyncio.sleep(SYNC_INTERVAL_SECONDS)
+        sync.sync()
+
+
+async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime: Runtime,
+                 stop: asyncio.Event) -> int:
+    sessions = SessionRegistry()
+    sync = MetricsSync(runtime.engine, sessions)
+    servicer = ExpertStorageServicer(config, models, runtime, sessions, sync)
+    health = HealthServicer()
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = grpc.aio.server()
+    pb_grpc.add_ExpertStorageServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    try:
+        server.add_insecure_port(f"unix:{config.socket}")
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {config.socket}: {exc}") from None
+    await server.start()
+    os.chmod(config.socket, SOCKET_MODE)
+    sync_task = asyncio.create_task(_sync_metrics_forever(sync), name="metrics sync")
+    try:
+        await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
+        notify("READY=1")
+        log.info("serving %s on %s: %d slots of %d bytes on %s", ", ".join(models), config.socket,
+                 runtime.geometry.slot_count, runtime.geometry.slot_bytes, config.device)
+        await stop.wait()
+        log.info("stopping: draining for up to %.1f s", config.shutdown_grace_seconds)
+        notify("STOPPING=1")
+        await health.enter_graceful_shutdown()
+        servicer.begin_shutdown()
+        await server.stop(config.shutdown_grace_seconds)
+        await runtime.engine.drain(config.shutdown_grace_seconds)
+    finally:
+        sync_task.cancel()
+        _remove_socket(config.socket)
+    return EXIT_OK
+
+
+async def serve(config: StoragedConfig, models: dict[str, ServedModel]) -> int:
+    """Run the daemon on opened models until SIGTERM or SIGINT; the exit status. Closes the models."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        prepare_socket_path(config.socket)  # before allocating: a live daemon there is a quick no
+        runtime = build_runtime(config, models)
+    except StartupError as exc:
+        _close_models(models)
+        return _fail(str(exc))
+    try:
+        return await _serve(config, models, runtime, stop)
+    except StartupError as exc:
+        return _fail(str(exc))
+    finally:
+        runtime.close()
+        _close_models(models)
+
+
+def _close_models(models: dict[str, ServedModel]) -> None:
+    for model in models.values():
+        model.close()
+
+
+def _fail(message: str) -> int:
+    print(f"storaged: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_STARTUP
+
+
+def run(config: StoragedConfig, models: dict[str, ServedModel]) -> int:
+    """Serve the opened bundles (see storaged.cli, which opens them first); the exit status."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s storaged %(levelname)s %(message)s")
+    return uvloop.run(serve(config, models))

@@ -1,0 +1,235 @@
+"""The data path: policy plan → pack read → copy into the slot → publish, with single flight.
+
+Every load runs in its own task, independent of the request that started it: a client that
+goes away mid-load does not cancel a read other sessions may be waiting for. A load resolves
+two futures: `issued` (the copy into the slot was issued; its result is the ready-event index,
+or None when the copy was already complete) and `done` (the slot is published in the policy).
+The requester that started a load replies at `issued` with the event index; requests that
+joined the load (Source.WAIT) reply at `done`, when the slot is complete. Nothing is
+published (planner.complete) before its copy has completed, so a later hit needs no event.
+
+Runs on the event loop thread only, like the planner it drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+from packtools.pack.errors import ObjectChecksumError
+from storaged.device.arena import Arena
+from storaged.device.host_tier import HostTier
+from storaged.io.executor import ReadExecutor, ReadPriority
+from storaged.io.staging import StagingPool
+from storaged.metrics import StoragedMetrics
+from storaged.policy import AcquirePlanner, CapacityExhausted, ExpertKey, ExpertStep, Source
+from storaged.server.models import ServedModel
+from storaged.server.sessions import Session
+
+NO_EVENT = -1  # ready_events value of a slot whose bytes are already complete
+
+
+class LoadError(Exception):
+    """A load failed; every request waiting for that expert fails with it."""
+
+
+class ObjectDataLoss(LoadError):
+    """The object's bytes failed their checksum: the slot was not published."""
+
+
+class ObjectReadFailed(LoadError):
+    """The OS failed the read (EIO, short read...): the slot was not published."""
+
+
+class EmptyRequest(ValueError):
+    """An Acquire or Prefetch named no experts."""
+
+
+class TooManyIds(ValueError):
+    """A Prefetch named more experts than max_ids_per_acquire."""
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    # A load's futures may fail with nobody awaiting them (e.g. a prefetch); mark them seen.
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclass(eq=False)
+class _Load:
+    key: ExpertKey
+    priority: ReadPriority
+    issued: asyncio.Future  # → event index (int) or None once the copy into the slot is issued
+    done: asyncio.Future  # → slot once published
+    read: concurrent.futures.Future | None = None  # the queued pack read, while there is one
+    resubmit: bool = field(default=False)  # the read was cancelled to requeue it as DEMAND
+
+
+class StorageEngine:
+    """Serves Acquire and Prefetch for all sessions from one arena and one planner."""
+
+    def __init__(self, planner: AcquirePlanner, arena: Arena,
+                 staging: StagingPool, executor: ReadExecutor, metrics: StoragedMetrics, *,
+                 host_tier: HostTier | None = None, max_ids: int):
+        self.planner = planner
+        self.arena = arena
+        self.staging = staging
+        self.executor = executor
+        self.metrics = metrics
+        self.host_tier = host_tier
+        self.max_ids = max_ids
+        self._loads: dict[ExpertKey, _Load] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.capacity_exhausted = 0  # Acquires refused with CapacityExhausted
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def acquire(self, session: Session, layer: int, experts: tuple[int, ...]
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(slots, ready_events) in request order; pins replace the session's pins on `layer`."""
+        if not experts:
+            raise EmptyRequest(f"session {session.id}: Acquire of layer {layer} names no experts "
+                               "(use Release to drop a layer's pins)")
+        started = time.perf_counter()
+        model = session.model
+        try:
+            plan = self.planner.acquire(session.id, model.model_id, layer, experts)
+        except CapacityExhausted:
+            self.capacity_exhausted += 1
+            raise
+        events = [NO_EVENT] * len(plan.steps)
+        own_loads: list[tuple[int, asyncio.Future]] = []  # → event index of the copy, or None
+        joined: list[asyncio.Future] = []  # → slot, once another request's load is published
+        for index, step in enumerate(plan.steps):
+            if step.source is Source.WAIT:
+                load = self._loads[step.key]
+                if step.promote:
+                    self._promote(load)
+                joined.append(load.done)
+            elif step.source.needs_io:
+                own_loads.append((index, self._start_load(step, model, ReadPriority.DEMAND).issued))
+        # Shielded: a request cancelled while waiting (its client left) must not cancel the
+        # load's futures, which other requests and the load task itself still use.
+        for index, issued in own_loads:
+            event = await asyncio.shield(issued)
+            events[index] = NO_EVENT if event is None else event
+        for done in joined:
+            await asyncio.shield(done)
+        self.metrics.observe_acquire(time.perf_counter() - started)
+        return plan.slots, tuple(events)
+
+    def prefetch(self, session: Session, layer: int, experts: tuple[int, ...]) -> int:
+        """Start low-priority loads for hinted experts; returns how many were started."""
+        if not experts:
+            raise EmptyRequest(f"session {session.id}: Prefetch of layer {layer} names no experts")
+        if len(experts) > self.max_ids:
+            raise TooManyIds(f"session {session.id} layer {layer}: {len(experts)} experts hinted, "
+                             f"at most {self.max_ids} per call")
+        plan = self.planner.prefetch(session.model.model_id, layer, experts)
+        for step in plan.loads:
+            self._start_load(step, session.model, ReadPriority.PREFETCH)
+        return len(plan.loads)
+
+    def release(self, session: Session, layer: int | None) -> int:
+        return self.planner.release(session.id, layer, model=session.model.model_id)
+
+    def close_session(self, session: Session) -> int:
+        return self.planner.close_session(session.id)
+
+    # ---- loads -------------------------------------------------------------------------------
+
+    def _start_load(self, step: ExpertStep, model: ServedModel, priority: ReadPriority) -> _Load:
+        loop = asyncio.get_running_loop()
+        load = _Load(step.key, priority, loop.create_future(), loop.create_future())
+        for future in (load.issued, load.done):
+            future.add_done_callback(_consume_exception)
+        self._loads[step.key] = load
+        task = loop.create_task(self._run_load(load, step, model), name=f"load {step.key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return load
+
+    def _promote(self, load: _Load) -> None:
+        """A demand joined a prefetch: requeue its read as DEMAND if it has not started yet."""
+        if load.priority is ReadPriority.DEMAND:
+            return
+        load.priority = ReadPriority.DEMAND
+        if load.read is not None:
+            load.resubmit = True
+            if not load.read.cancel():  # already running: it finishes at its own pace
+                load.resubmit = False
+
+    async def _read(self, load: _Load, model: ServedModel, buffer) -> None:
+        entry = model.pack.entry(load.key.layer, load.key.expert)
+        while True:
+            load.read = self.executor.submit(model.name, entry, buffer, load.priority)
+            try:
+                await asyncio.wrap_future(load.read)
+                return
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if load.resubmit and not (current is not None and current.cancelling()):
+                    load.resubmit = False
+                    continue  # promoted: queue it again at DEMAND priority
+                raise
+            finally:
+                load.read = None
+
+    async def _run_load(self, load: _Load, step: ExpertStep, model: ServedModel) -> None:
+        key = step.key
+        nbytes = model.pack.entry(key.layer, key.expert).size
+        borrowed = None
+        try:
+            if step.source is Source.PACK:
+                borrowed = source = await self.staging.acquire()
+                await self._read(load, model, source)
+            else:
+                assert self.host_tier is not None and step.host_slot is not None, step
+                source = self.host_tier.slot(step.host_slot)
+                if step.source is Source.PACK_VIA_HOST:
+                    await self._read(load, model, source)
+            handle = self.arena.copy_in(step.slot, source, nbytes)
+            self.metrics.record_h2d(nbytes)
+            load.issued.set_result(handle.event_index)
+            await handle.wait()
+        except ObjectChecksumError as exc:
+            self._fail(load, ObjectDataLoss(str(exc)))
+        except asyncio.CancelledError:
+            self._fail(load, ObjectReadFailed(f"load of {key} cancelled: storaged is stopping"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failed load must fail its waiters, not hang them
+            self._fail(load, ObjectReadFailed(f"load of {key} failed: {exc}"))
+        else:
+            self.planner.complete(key)
+            load.done.set_result(step.slot)
+        finally:
+            if borrowed is not None:
+                self.staging.release(borrowed)
+            if self._loads.get(key) is load:
+                del self._loads[key]
+
+    def _fail(self, load: _Load, error: LoadError) -> None:
+        if self._loads.get(load.key) is load:
+            del self._loads[load.key]
+            self.planner.abort(load.key)
+        for future in (load.issued, load.done):
+            if not future.done():
+                future.set_exception(error)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> None:
+        """Wait up to `timeout` s for loads in flight, then cancel what is left."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+

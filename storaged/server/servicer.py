@@ -1,0 +1,208 @@
+"""The ExpertStorage gRPC servicer: protobuf in, engine calls, protobuf out, errors as status codes.
+
+Pins follow the Acquire stream: when the stream ends, however it ends, the session's pins are
+released. When the client ends it (half-close, cancellation, or its process died, which the
+server sees as the same end of input), the session is closed too. When the server ends it with
+an error status, the session survives and the client may open a new stream for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from storaged import __version__
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
+from storaged.client.client import SESSION_METADATA_KEY
+from storaged.config import StoragedConfig
+from storaged.policy import CapacityExhausted, InvalidRequest
+from storaged.server import convert
+from storaged.server.engine import (EmptyRequest, LoadError, ObjectDataLoss, StorageEngine, TooManyIds)
+from storaged.server.models import ServedModel
+from storaged.server.runtime import Runtime
+from storaged.server.sessions import Session, SessionBusy, SessionNotFound, SessionRegistry
+from storaged.server.stats import MetricsSync, stats_response
+
+STOPPING = "storaged is stopping"
+
+
+class StreamSessionMismatch(ValueError):
+    """A request on a session's Acquire stream names another session."""
+
+    def __init__(self, session_id: str, command: convert.AcquireCommand):
+        super().__init__(f"this Acquire stream belongs to session {session_id!r}; request "
+                         f"{command.request_id} names {command.session_id!r}")
+
+
+def status_of(error: Exception) -> grpc.StatusCode | None:
+    """The status code a request error maps to; None for errors that are bugs (INTERNAL)."""
+    if isinstance(error, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, (InvalidRequest, EmptyRequest, TooManyIds, StreamSessionMismatch)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, CapacityExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, ObjectDataLoss):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(error, SessionBusy):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, LoadError):
+        return grpc.StatusCode.INTERNAL
+    return None
+
+
+_REQUEST_ERRORS = (SessionNotFound, InvalidRequest, EmptyRequest, TooManyIds, CapacityExhausted,
+                   LoadError, SessionBusy, StreamSessionMismatch)
+
+
+def info_response(config: StoragedConfig, models: Mapping[str, ServedModel],
+                  runtime: Runtime) -> pb.InfoResponse:
+    cuda = config.cuda_device_index is not None
+    capabilities = [pb.CAPABILITY_CUDA_IPC_ARENA if cuda else pb.CAPABILITY_SHM_ARENA, pb.CAPABILITY_PREFETCH]
+    if runtime.host_tier is not None:
+        capabilities.append(pb.CAPABILITY_HOST_CACHE)
+    if config.verify_checksums:
+        capabilities.append(pb.CAPABILITY_CHECKSUM_VERIFY)
+    if config.direct_io:
+        capabilities.append(pb.CAPABILITY_DIRECT_IO)
+    return pb.InfoResponse(
+        server_version=__version__, api_version=convert.API_VERSION, capabilities=capabilities,
+        models=[convert.model_info(m) for m in models.values()], device=config.device,
+        slot_bytes=runtime.geometry.slot_bytes, slot_count=runtime.geometry.slot_count,
+        host_cache_bytes=runtime.geometry.host_slots * runtime.geometry.slot_bytes,
+        max_ids_per_acquire=config.max_ids_per_acquire)
+
+
+class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
+    def __init__(self, config: StoragedConfig, models: Mapping[str, ServedModel], runtime: Runtime,
+                 sessions: SessionRegistry, sync: MetricsSync):
+        self.models = dict(models)
+        self.runtime = runtime
+        self.engine: StorageEngine = runtime.engine
+        self.sessions = sessions
+        self.sync = sync
+        self.stopping = False
+        self._info = info_response(config, models, runtime)
+        self._layouts = {name: convert.model_layout(model) for name, model in models.items()}
+        self._idle_streams: set[asyncio.Task] = set()  # Acquire handlers waiting for a request
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work; end Acquire streams that are waiting for a request."""
+        self.stopping = True
+        for task in list(self._idle_streams):
+            task.cancel()
+
+    async def _abort(self, context, error: Exception):
+        code = status_of(error)
+        if self.stopping and isinstance(error, LoadError) and not isinstance(error, ObjectDataLoss):
+            code = grpc.StatusCode.UNAVAILABLE
+        await context.abort(code or grpc.StatusCode.INTERNAL, str(error))
+
+    async def _refuse_if_stopping(self, context) -> None:
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+
+    # ---- unary ------------------------------------------------------------------------------
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return self._info
+
+    async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        await self._refuse_if_stopping(context)
+        model = self.models.get(request.model)
+        if model is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served "
+                                f"(served: {', '.join(sorted(self.models))})")
+        descriptor = self.runtime.arena.descriptor()  # CUDA: a fresh IPC export for this client
+        session = self.sessions.open(model)
+        geometry = self.runtime.geometry
+        return pb.AttachResponse(session_id=session.id, arena=convert.arena_descriptor(descriptor),
+                                 slot_bytes=geometry.slot_bytes, slot_count=geometry.slot_count,
+                                 layout=self._layouts[model.name])
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        command = convert.release_command(request)
+        try:
+            self.engine.release(self.sessions.get(command.session_id), command.layer)
+        except _REQUEST_ERRORS as exc:
+            await self._abort(context, exc)
+        return pb.ReleaseResponse()
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.PrefetchResponse:
+        await self._refuse_if_stopping(context)
+        command = convert.prefetch_command(request)
+        try:
+            self.engine.prefetch(self.sessions.get(command.session_id), command.layer, command.experts)
+        except _REQUEST_ERRORS as exc:
+            await self._abort(context, exc)
+        return pb.PrefetchResponse()
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        return stats_response(self.sync)
+
+    async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachResponse:
+        session = self.sessions.close(request.session_id)
+        if session is None:
+            await self._abort(context, SessionNotFound(request.session_id))
+        self.engine.close_session(session)
+        return pb.DetachResponse()
+
+    # ---- Acquire stream ---------------------------------------------------------------------
+
+    async def Acquire(self, request_iterator: AsyncIterator[pb.AcquireRequest],
+                      context) -> AsyncIterator[pb.AcquireResponse]:
+        task = asyncio.current_task()
+        assert task is not None
+        session: Session | None = None
+        server_error = False  # the stream ends with our error status: the session survives it
+        try:
+            # A client that names its session in the call's metadata binds the stream (and so
+            # the session's lifetime) before its first request.
+            bound = dict(context.invocation_metadata() or ()).get(SESSION_METADATA_KEY)
+            if bound:
+                try:
+                    session = self.sessions.bind_stream(bound)
+                except _REQUEST_ERRORS as exc:
+                    server_error = True
+                    await self._abort(context, exc)
+            while True:
+                if self.stopping:
+                    server_error = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+                self._idle_streams.add(task)
+                try:
+                    request = await anext(request_iterator, None)
+                finally:
+                    self._idle_streams.discard(task)
+                if request is None:
+                    return  # the client half-closed, or its connection dropped
+                command = convert.acquire_command(request)
+                try:
+                    if session is None:
+                        session = self.sessions.bind_stream(command.session_id)
+                    elif session.closed:
+                        raise SessionNotFound(session.id)
+                    elif command.session_id != session.id:
+                        raise StreamSessionMismatch(session.id, command)
+                    slots, events = await self.engine.acquire(session, command.layer, command.experts)
+                except _REQUEST_ERRORS as exc:
+                    server_error = True
+                    await self._abort(context, exc)
+                yield convert.acquire_response(convert.AcquireResult(command.request_id, slots, events))
+        except asyncio.CancelledError:
+            if self.stopping:
+                server_error = True
+                await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+            raise
+        finally:
+            if session is not None:
+                self._end_stream(session, close_session=not server_error)
+
+    def _end_stream(self, session: Session, *, close_session: bool) -> None:
+        self.sessions.unbind_stream(session)
+        self.engine.close_session(session)
+        if close_session:
+            self.sessions.close(session.id)

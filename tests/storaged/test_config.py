@@ -1,0 +1,123 @@
+"""StoragedConfig: TOML + CLI overrides, sizes, and a typed error naming each bad field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storaged.cli import build_parser, config_from_args
+from storaged.config import (DEFAULT_METRICS_ADDRESS, DEFAULT_SOCKET, ConfigError, StoragedConfig,
+                             load_config, parse_size)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (4096, 4096), ("4096", 4096), ("0", 0), ("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("1.5GiB", 3 << 29),
+    ("2kib", 2048), ("1G", 10**9), ("3MB", 3 * 10**6), ("7B", 7), ("1TiB", 1 << 40),
+])
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "8 GiBs", "-1", -1, "1.5B", "8 XB", True, 2.5, "0x10"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError) as info:
+        parse_size(text, "vram_cache_bytes")
+    assert info.value.field == "vram_cache_bytes"
+    assert repr(text) in str(info.value)
+
+
+def test_defaults(tmp_path):
+    config = StoragedConfig(models={"m": tmp_path}, vram_cache_bytes="1GiB")
+    assert config.socket == Path(DEFAULT_SOCKET)
+    assert config.metrics_address == DEFAULT_METRICS_ADDRESS
+    assert config.direct_io and config.verify_checksums
+    assert config.host_cache_bytes == 0 and config.device == "cpu"
+    assert config.vram_cache_bytes == 1 << 30
+    assert config.models == {"m": tmp_path.absolute()}
+    assert config.cuda_device_index is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("device", "gpu"), ("device", "cuda"), ("device", "cuda:x"), ("device", 0),
+    ("vram_cache_bytes", "lots"), ("vram_cache_bytes", 0), ("host_cache_bytes", "-3GiB"),
+    ("staging_buffers", 0), ("io_parallelism", -2), ("io_parallelism", True), ("max_ids_per_acquire", "8"),
+    ("direct_io", "yes"), ("verify_checksums", 1), ("metrics_address", "9464"),
+    ("metrics_address", "localhost:99999"), ("metrics_address", 9464), ("shutdown_grace_seconds", -1),
+    ("allowed_uids", "1000"), ("allowed_gids", [-1]), ("socket", ""), ("models", {}),
+    ("allowed_uids", [1000]), ("allowed_gids", [100]),  # reserved: refused until enforced
+    ("models", {"bad name": "/x"}),
+])
+def test_bad_field_raises_config_error_naming_it(tmp_path, field, value):
+    fields = {"models": {"m": tmp_path}, "vram_cache_bytes": 1 << 20, field: value}
+    with pytest.raises(ConfigError) as info:
+        StoragedConfig(**fields)
+    assert field in info.value.field or info.value.field.startswith("models")
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("address, expected", [("", ""), ("off", ""), ("OFF", ""),
+                                               ("0.0.0.0:9000", "0.0.0.0:9000"), ("[::1]:80", "[::1]:80")])
+def test_metrics_address_off_and_on(tmp_path, address, expected):
+    config = StoragedConfig(models={"m": tmp_path}, vram_cache_bytes=1, metrics_address=address)
+    assert config.metrics_address == expected
+    assert config.metrics_enabled == bool(expected)
+
+
+def test_config_is_frozen(tmp_path):
+    config = StoragedConfig(models={"m": tmp_path}, vram_cache_bytes=1)
+    with pytest.raises(AttributeError):
+        config.device = "cuda:0"  # type: ignore[misc]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_toml_then_cli_overrides(tmp_path):
+    toml = _write(tmp_path / "s.toml", """
+socket = "/tmp/x.sock"
+vram_cache_bytes = "2GiB"
+direct_io = true
+device = "cuda:1"
+[models]
+qwen = "bundles/qwen"
+""")
+    args = build_parser().parse_args(["--config", str(toml), "--vram-cache-bytes", "8GiB", "--no-direct-io",
+                                      "--socket", str(tmp_path / "s.sock"), "--model", "mix=/data/mix"])
+    config = config_from_args(args)
+    assert config.vram_cache_bytes == 8 << 30
+    assert config.direct_io is False
+    assert config.device == "cuda:1"
+    assert config.socket == tmp_path / "s.sock"
+    # Relative bundle paths are relative to the config file; --model adds to the file's models.
+    assert config.models == {"qwen": tmp_path / "bundles" / "qwen", "mix": Path("/data/mix")}
+    assert config.cuda_device_index == 1
+
+
+def test_unknown_toml_key_is_named(tmp_path):
+    toml = _write(tmp_path / "s.toml", 'vram_cache_bytes = 1\nvram_cache = 2\ncolour = "red"\n[models]\nm = "/x"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(toml)
+    assert "colour" in str(info.value) and "vram_cache" in str(info.value)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("vram_cache_bytes = 1\n", "models"),
+    ("[models]\nm = '/x'\n", "vram_cache_bytes"),
+    ("vram_cache_bytes = \n", "not valid TOML"),
+])
+def test_incomplete_or_malformed_file(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(_write(tmp_path / "s.toml", text))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_model_flag_must_be_name_equals_dir():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "nodir"])
