@@ -107,9 +107,22 @@ def build_bundle(source_path: str | Path, output: str | Path, *, force: bool = F
             write_json(staging / MANIFEST, manifest)
     finally:
         source.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return BuildReport(Path(output), pack_header.layer_count * pack_header.expert_count, expert_bytes,
-                       dense_count, dense_bytes, time.monotonic() - start, peak)
+                       dense_count, dense_bytes, time.monotonic() - start, peak_rss_bytes())
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set. Linux's ru_maxrss survives exec, so a build started from a
+    large parent (a notebook, a test runner) would report the parent's size; VmHWM belongs to the
+    current address space only."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _write_pack(source: CheckpointSource, path: Path, progress: bool):

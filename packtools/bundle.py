@@ -132,6 +132,11 @@ def staged_bundle(output: str | os.PathLike, *, force: bool) -> Iterator[Path]:
     target = Path(output).absolute()
     if target.exists() and not force:
         raise BundleExistsError(f"{target}: already exists; pass --force to replace it")
+    if target.exists() and not _replaceable(target):
+        # --force deletes the old output: never a file or a directory that is not a bundle (a typo
+        # such as `-o .` or `-o <the checkpoint>` would otherwise delete the user's data).
+        raise BundleExistsError(f"{target}: exists and is not a bundle (no {MANIFEST}) nor an empty directory; "
+                                "--force only replaces a bundle, remove it yourself if it is meant to go")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -151,6 +156,12 @@ def staged_bundle(output: str | os.PathLike, *, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _replaceable(target: Path) -> bool:
+    if target.is_symlink() or not target.is_dir():
+        return False
+    return (target / MANIFEST).is_file() or not any(target.iterdir())
 
 
 def _fsync_dir(path: Path) -> None:

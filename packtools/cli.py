@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from packtools import __version__
 
@@ -83,18 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (systemd, docker stop, timeout), unwound like Ctrl-C so a build removes its
+    staging directory instead of leaving a partial pack of any size on disk."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's requirement
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted; no partial output was left behind", file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a one-line message and exit 2
         if args.debug:
             raise
         print(f"packtools {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ as they are) and undoes llama.cpp's transforms.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 
 import gguf
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from packtools.gguf.errors import TensorMappingError, UnsupportedTensorTypeError
+from packtools.gguf.experts import read_exact
 from packtools.gguf.files import TensorLocation
 from packtools.gguf.tensor_map import DenseRule, TensorMapper
 from packtools.quants import UnsupportedQuantType, dequantize
@@ -29,7 +31,15 @@ _KEPT_DTYPES = {ElementType.F32: torch.float32, ElementType.F16: torch.float16, 
 def read_tensor(location: TensorLocation) -> torch.Tensor:
     """A GGUF tensor as a torch tensor of its logical shape: F32/F16/BF16 as is, else float32."""
     kind = location.element_type
-    raw = np.array(location.tensor.data)  # copies this tensor's bytes out of the memory map
+    # pread, not a copy out of gguf-py's memory map: pages read through a map that stays open
+    # stay resident, so RSS would grow with the dense bytes (tests/packtools/test_build.py)
+    template = location.tensor.data  # dtype and shape only; no page is touched
+    fd = os.open(location.shard.path, os.O_RDONLY)
+    try:
+        data = read_exact(fd, location.shard.path, location.offset, location.nbytes)
+    finally:
+        os.close(fd)
+    raw = np.frombuffer(bytearray(data), dtype=template.dtype).reshape(template.shape)
     if kind in (ElementType.F32, ElementType.F16):
         return torch.from_numpy(raw).reshape(location.shape)
     if kind == ElementType.BF16:

@@ -121,10 +121,22 @@ class HFSource:
         return data
 
     def _get_tensor(self, name: str) -> torch.Tensor:
-        file = self._located[name].file
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(name)
+        # pread, not safe_open: pages read through a memory map that stays open stay resident,
+        # so RSS would grow with the dense bytes (tests/packtools/test_build.py)
+        located = self._located[name]
+        entry = located.entry
+        buffer = bytearray(entry.nbytes)
+        view, got = memoryview(buffer), 0
+        while got < entry.nbytes:  # one pread returns at most ~2 GiB
+            n = os.preadv(self._fds[located.file], [view[got:]], located.data_start + entry.begin + got)
+            if n == 0:
+                raise HFCheckpointError(f"{located.file}: {name!r} needs bytes up to "
+                                        f"{located.data_start + entry.end}; the file ends first (truncated?)")
+            got += n
+        dtype = DTYPES[entry.dtype][0]
+        if not buffer:
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
 
     # ---- CheckpointSource ----
     def hf_config(self) -> dict:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from packtools.arch import ARCHITECTURES
-
 
 def add_synth_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("arch", choices=sorted(ARCHITECTURES), help="transformers model_type")
+    # No `choices=`: listing the architectures imports transformers, which would cost every
+    # packtools command (validate, inspect) seconds of start-up; run_synth checks the name instead.
+    p.add_argument("arch", metavar="ARCH",
+                   help="transformers model_type of a supported MoE architecture (an unknown name lists them)")
     p.add_argument("-o", "--output", required=True,
                    help="output directory (hf) or .gguf file path (gguf; split sets get -0000N-of-0000M)")
     p.add_argument("--format", choices=("hf", "gguf"), default="hf")
@@ -19,7 +20,8 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=None,
                    help="default 64, or 256 when the expert type's block is 256 elements (K-quants)")
-    p.add_argument("--layers", type=int, default=None, help="number of layers (default: 2; kimi_linear 4)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of layers (default 2; gguf kimi_linear 4, so both attention kinds appear)")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate-size", type=int, default=None,
@@ -50,6 +52,9 @@ def _sizes(args) -> dict:
 
 
 def run_synth(args) -> Path:
+    from packtools.arch import get_arch
+
+    get_arch(args.arch)  # UnknownArchitecture names the known ones
     out = Path(args.output)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; synth never overwrites")
