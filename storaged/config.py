@@ -75,7 +75,9 @@ class StoragedConfig:
     device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
     shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
     max_ids_per_acquire: int = 256  # most expert ids in one Acquire or Prefetch
-    # Reserved for peer-credential checks; must stay unset (None) until they are implemented.
+    # Peer-credential allow-lists (SO_PEERCRED): when either is set, a client is served only if
+    # its uid is in allowed_uids or its gid or a supplementary group is in allowed_gids; the
+    # others get PERMISSION_DENIED. Unset (None): whoever the socket's mode and group let in.
     allowed_uids: tuple[int, ...] | None = None
     allowed_gids: tuple[int, ...] | None = None
 
@@ -114,11 +116,6 @@ class StoragedConfig:
         set_(self, "metrics_address", self._checked_metrics_address())
         for field in ("allowed_uids", "allowed_gids"):
             set_(self, field, self._checked_ids(field))
-            if getattr(self, field) is not None:
-                # Reserved: gRPC does not expose the peer's credentials, so they cannot be
-                # checked yet. Refuse rather than silently admit everyone.
-                raise ConfigError(field, list(getattr(self, field)), "not enforced by this version; "
-                                  "restrict access with the socket directory's permissions and group")
 
     def _checked_metrics_address(self) -> str:
         address = self.metrics_address
@@ -138,7 +135,14 @@ class StoragedConfig:
         if isinstance(ids, (str, bytes)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ConfigError(field, ids, "expected a list of non-negative integer ids")
+        if not ids:
+            # Most likely a template left half-filled; admitting nobody is never what was meant.
+            raise ConfigError(field, list(ids), "an empty list admits nobody; list ids or leave the key out")
         return tuple(ids)
+
+    @property
+    def peer_checks_enabled(self) -> bool:
+        return self.allowed_uids is not None or self.allowed_gids is not None
 
     @property
     def metrics_enabled(self) -> bool:

@@ -1,17 +1,19 @@
 """The daemon's life: start-up in a fixed order, serve, and a draining shutdown on SIGTERM/SIGINT.
 
 Start-up (storaged.cli validated the config and opened the bundles already): socket path
-checked → arena, staging, host tier, reader → gRPC on the Unix socket → health SERVING →
-READY=1 to systemd. Until the socket listens, clients get UNAVAILABLE from their channel; while
-stopping, from the servicer. Shutdown: health NOT_SERVING, refuse new
-work, end idle Acquire streams, let in-flight RPCs finish within shutdown_grace_seconds, drain
-loads, free everything, remove the socket, exit 0.
+checked → arena, staging, host tier, reader → gRPC on the Unix socket (directly, or behind the
+peer-credential gate when allowed_uids/allowed_gids are set) → health SERVING → READY=1 to
+systemd, then WATCHDOG=1 pings when the unit sets WatchdogSec. Until the socket listens, clients
+get UNAVAILABLE from their channel; while stopping, from the servicer. Shutdown: STOPPING=1,
+health NOT_SERVING, refuse new work, end idle Acquire streams, let in-flight RPCs finish within
+shutdown_grace_seconds, drain loads, free everything, remove the socket, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -29,7 +31,8 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.config import StoragedConfig
 from storaged.server.models import ServedModel
-from storaged.server.notify import notify
+from storaged.server.notify import Notifier, NotifyEnvironmentError
+from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
 from storaged.server.runtime import Runtime, StartupError, build_runtime
 from storaged.server.servicer import ExpertStorageServicer
 from storaged.server.sessions import SessionRegistry
@@ -40,6 +43,7 @@ EXIT_STARTUP = 1
 SOCKET_MODE = 0o660
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStorage"].full_name
+STATUS_INTERVAL_SECONDS = 10.0  # how often `systemctl status` gets a fresh STATUS= line
 
 log = logging.getLogger("storaged")
 
@@ -79,14 +83,41 @@ async def _set_health(health: HealthServicer, status: int) -> None:
         await health.set(service, status)
 
 
-async def _sync_metrics_forever(sync: MetricsSync) -> None:
+def _serving_status(models: dict[str, ServedModel], config: StoragedConfig, runtime: Runtime,
+                    sessions: int = 0, hits: int = 0, lookups: int = 0) -> str:
+    hit_rate = f"{hits / lookups:.1%}" if lookups else "n/a"
+    return (f"serving {', '.join(models)} on {config.socket}: {runtime.geometry.slot_count} slots of "
+            f"{runtime.geometry.slot_bytes} B on {config.device}; sessions {sessions}; vram hit rate {hit_rate}")
+
+
+async def _sync_metrics_forever(sync: MetricsSync, notifier: Notifier, status) -> None:
+    next_status = asyncio.get_running_loop().time() + STATUS_INTERVAL_SECONDS
     while True:
         await asyncio.sleep(SYNC_INTERVAL_SECONDS)
-        sync.sync()
+        stats = sync.sync()
+        if notifier.enabled and asyncio.get_running_loop().time() >= next_status:
+            next_status += STATUS_INTERVAL_SECONDS
+            notifier.status(status(len(sync.sessions), stats.vram_hits, stats.vram_hits + stats.vram_misses))
+
+
+def _listen(server: grpc.aio.Server, config: StoragedConfig) -> PeerGate | None:
+    """Bind gRPC to the public socket, or to the gate's private listener when peers are checked."""
+    policy = AccessPolicy.from_config(config)
+    try:
+        gate = PeerGate(config.socket, policy, socket_mode=SOCKET_MODE) if policy is not None else None
+    except PrivateListenerError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        server.add_insecure_port(gate.admitted_address if gate else f"unix:{config.socket}")
+    except RuntimeError as exc:
+        if gate is not None:
+            gate.remove_private_dir()
+        raise StartupError(f"cannot listen on {config.socket}: {exc}") from None
+    return gate
 
 
 async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime: Runtime,
-                 stop: asyncio.Event) -> int:
+                 stop: asyncio.Event, notifier: Notifier) -> int:
     sessions = SessionRegistry()
     sync = MetricsSync(runtime.engine, sessions)
     servicer = ExpertStorageServicer(config, models, runtime, sessions, sync)
@@ -98,27 +129,37 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
+    gate = _listen(server, config)
+    background: list[asyncio.Task] = []
     try:
-        server.add_insecure_port(f"unix:{config.socket}")
-    except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {config.socket}: {exc}") from None
-    await server.start()
-    os.chmod(config.socket, SOCKET_MODE)
-    sync_task = asyncio.create_task(_sync_metrics_forever(sync), name="metrics sync")
-    try:
+        await server.start()
+        if gate is None:
+            os.chmod(config.socket, SOCKET_MODE)
+        else:
+            try:
+                await gate.start()
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {config.socket}: {exc.strerror or exc}") from None
+        status = functools.partial(_serving_status, models, config, runtime)
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
-        notify("READY=1")
-        log.info("serving %s on %s: %d slots of %d bytes on %s", ", ".join(models), config.socket,
-                 runtime.geometry.slot_count, runtime.geometry.slot_bytes, config.device)
+        notifier.ready(status())
+        background.append(asyncio.create_task(_sync_metrics_forever(sync, notifier, status), name="metrics sync"))
+        background.append(asyncio.create_task(notifier.watchdog_forever(), name="watchdog"))
+        log.info("%s%s", status(), f"; admitting peers by {gate.policy}" if gate else "")
         await stop.wait()
         log.info("stopping: draining for up to %.1f s", config.shutdown_grace_seconds)
-        notify("STOPPING=1")
+        notifier.stopping(f"draining for up to {config.shutdown_grace_seconds:g} s")
+        if gate is not None:
+            gate.stop_accepting()
         await health.enter_graceful_shutdown()
         servicer.begin_shutdown()
         await server.stop(config.shutdown_grace_seconds)
         await runtime.engine.drain(config.shutdown_grace_seconds)
     finally:
-        sync_task.cancel()
+        for task in background:
+            task.cancel()
+        if gate is not None:
+            await gate.close()
         _remove_socket(config.socket)
     return EXIT_OK
 
@@ -130,16 +171,21 @@ async def serve(config: StoragedConfig, models: dict[str, ServedModel]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
+        notifier = Notifier.from_environment()
         prepare_socket_path(config.socket)  # before allocating: a live daemon there is a quick no
         runtime = build_runtime(config, models)
+    except NotifyEnvironmentError as exc:
+        _close_models(models)
+        return _fail(f"{exc} (set by the service manager)")
     except StartupError as exc:
         _close_models(models)
         return _fail(str(exc))
     try:
-        return await _serve(config, models, runtime, stop)
+        return await _serve(config, models, runtime, stop, notifier)
     except StartupError as exc:
         return _fail(str(exc))
     finally:
+        notifier.close()
         runtime.close()
         _close_models(models)
 

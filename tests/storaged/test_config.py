@@ -45,7 +45,7 @@ def test_defaults(tmp_path):
     ("direct_io", "yes"), ("verify_checksums", 1), ("metrics_address", "9464"),
     ("metrics_address", "localhost:99999"), ("metrics_address", 9464), ("shutdown_grace_seconds", -1),
     ("allowed_uids", "1000"), ("allowed_gids", [-1]), ("socket", ""), ("models", {}),
-    ("allowed_uids", [1000]), ("allowed_gids", [100]),  # reserved: refused until enforced
+    ("allowed_uids", []), ("allowed_gids", ()),  # an empty allow-list would admit nobody
     ("models", {"bad name": "/x"}),
 ])
 def test_bad_field_raises_config_error_naming_it(tmp_path, field, value):
