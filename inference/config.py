@@ -17,11 +17,13 @@ DEVICES = ("cpu", "cuda")
 
 
 class ExpertSourceNotAvailableError(Exception):
-    """The expert source chosen on the command line cannot be used in this build."""
+    """The expert source chosen on the command line cannot be used: the storaged daemon is not
+    reachable, does not serve the model, or serves another bundle under its name."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged)."""
+    """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged
+    [--storaged-model NAME])."""
     parser.add_argument("--bundle", required=True, help="pack bundle directory (made by `packtools build`)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
@@ -33,6 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read experts straight from the bundle's pack (the default)")
     source.add_argument("--storaged", metavar="SOCKET", default=None,
                         help="get experts from the storaged daemon listening on this Unix socket")
+    parser.add_argument("--storaged-model", metavar="NAME", default=None,
+                        help="with --storaged: the daemon's name for this bundle (its `--model NAME=DIR`); "
+                             "default: the bundle directory's name")
 
 
 def make_expert_source(args: argparse.Namespace, bundle: Bundle, device: torch.device | str | None = None
@@ -40,11 +45,23 @@ def make_expert_source(args: argparse.Namespace, bundle: Bundle, device: torch.d
     """The expert source the command line asks for, for the opened bundle, on `device`."""
     device = torch.device(device if device is not None else args.device)
     if getattr(args, "storaged", None):
-        raise ExpertSourceNotAvailableError(
-            f"--storaged {args.storaged}: the storaged expert source is not available in this build yet; "
-            "use --local to read experts from the bundle's pack")
+        return _storaged_source(args.storaged, getattr(args, "storaged_model", None) or default_model_name(bundle.path),
+                                bundle, device)
     # the wrapper reports the time spent in acquire (expert_wait_seconds) for the metrics
     return TimedExpertSource(LocalPackSource(bundle, device))
+
+
+def _storaged_source(socket_path: str, model_name: str, bundle: Bundle, device: torch.device) -> ExpertSource:
+    # imported here: grpc and the storaged client are only needed with --storaged
+    from inference.experts.errors import ExpertsError
+    from inference.experts.storaged_source import StoragedExpertSource
+    from storaged.client import StorageError
+
+    try:  # no waiting for the daemon: start it first (its systemd unit notifies READY once serving)
+        return StoragedExpertSource(socket_path, model_name, bundle, device)
+    except (StorageError, ExpertsError) as exc:
+        raise ExpertSourceNotAvailableError(f"--storaged {socket_path} (model {model_name!r}): the storaged expert "
+                                            f"source is not available: {exc}") from exc
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:

@@ -1,0 +1,282 @@
+"""StoragedExpertSource: expert objects served by the storaged daemon, as views of its shared arena.
+
+    source = StoragedExpertSource("/run/expertpack/storaged.sock", "qwen3-30b", bundle, "cuda:0")
+    objects = source.acquire(layer, [5, 17, 40])   # uint8 views into the daemon's slots
+
+Attach maps the daemon's arena once (a /dev/shm file on a CPU daemon, a CUDA IPC allocation on a
+GPU daemon); each `acquire` is one message each way on the session's Acquire stream and returns
+views of the slots' bytes: no copy when the arena lives on the compute device, one copy otherwise.
+
+Lifetime of the views: storaged keeps a layer's slots pinned until that layer's next Acquire.
+The experts forward reads the views only while it computes that layer (it gathers them into
+fresh tensors first), so they are dead by then; the one hazard is work still queued on a CUDA
+stream, hence `acquire` synchronizes the current stream before asking for more slots (cheap: the
+forward has just synchronized to read the routing ids). A CPU forward is synchronous.
+When the cache cannot hold every layer's pins at once, an Acquire fails with RESOURCE_EXHAUSTED
+and the server drops all of this session's pins; `acquire` then retries once, which succeeds
+when that one layer fits. So, stricter than the ExpertSource protocol: views of other layers may
+be evicted after any acquire. Only a layer whose own demand exceeds the cache fails, with
+ExpertCapacityError.
+
+At attach the daemon's model is checked to be the very bundle loaded here: model type, MoE
+layers, experts per layer, every object's size and role entries, the manifest's pack index
+checksum and config hash when the daemon's bundle directory is readable here, and the checksum
+of one object read through the arena. A mismatch raises StoragedBundleMismatchError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from inference.experts.errors import ExpertLayoutError, ExpertsError
+from inference.experts.source import uniform_layout
+from packtools.bundle import MANIFEST, Bundle
+from packtools.pack import RoleEntry
+from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
+                             Unavailable)
+
+log = logging.getLogger(__name__)
+
+
+class StoragedBundleMismatchError(ExpertsError):
+    """storaged serves another bundle under the model name than the one this process loaded."""
+
+    def __init__(self, socket_path: str, model: str, problem: str):
+        super().__init__(f"storaged at {socket_path} model {model!r}: {problem}")
+        self.socket_path = socket_path
+        self.model = model
+
+
+class StoragedSessionLostError(Unavailable):
+    """The daemon no longer knows this session (it restarted): reconnect() opens a new one."""
+
+
+class ExpertCapacityError(CapacityExhausted):
+    """One layer needs more slots at once than the daemon's whole cache holds."""
+
+
+def _role_entries(layout) -> tuple[RoleEntry, ...]:
+    """storaged.client RoleLayouts -> packtools RoleEntries (the fields the pack index records)."""
+    return tuple(RoleEntry(r.role, r.element_type, r.offset, r.nbytes, tuple(r.shape)) for r in layout.roles)
+
+
+def layout_mismatch(bundle: Bundle, model_type: str, layers: dict) -> str | None:
+    """What differs between the bundle's pack index and a session's layout, or None."""
+    pack = bundle.pack
+    if model_type != bundle.config.get("model_type"):
+        return f"model_type is {model_type!r} there, {bundle.config.get('model_type')!r} here"
+    if sorted(layers) != list(pack.layers):
+        return f"MoE layers are {sorted(layers)} there, {list(pack.layers)} here"
+    for layer in pack.layers:
+        served = layers[layer]
+        if served.expert_count != pack.header.expert_count:
+            return f"layer {layer} has {served.expert_count} experts there, {pack.header.expert_count} here"
+        for expert in range(pack.header.expert_count):
+            entry, there = pack.entry(layer, expert), served.object(expert)
+            if there.object_bytes != entry.size:
+                return f"layer {layer} expert {expert}: object is {there.object_bytes} bytes there, {entry.size} here"
+            if _role_entries(there) != entry.roles:
+                return f"layer {layer} expert {expert}: roles {_role_entries(there)} there, {entry.roles} here"
+    return None
+
+
+def manifest_mismatch(bundle: Bundle, served_path: str) -> str | None:
+    """Compares the pack index checksum and config hash when the daemon's manifest is readable here
+    (a daemon in another mount namespace may name a path this process cannot see)."""
+    try:
+        with open(f"{served_path}/{MANIFEST}", encoding="utf-8") as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ours = bundle.manifest
+    for what, there, here in (("pack index crc32", theirs.get("pack", {}).get("index_crc32"),
+                                ours.get("pack", {}).get("index_crc32")),
+                               ("config sha256", theirs.get("config_sha256"), ours.get("config_sha256"))):
+        if there != here:
+            return f"{what} of {served_path} is {there!r}, of {bundle.path} {here!r}"
+    return None
+
+
+class StoragedExpertSource:
+    """An ExpertSource backed by storaged, with the engine's optional hooks (see
+    inference.engine.source_hooks): expert_wait_seconds, is_available, reconnect.
+
+    `connect_timeout`: seconds to wait for the daemon to report SERVING first (0: fail at once when
+    it is not up). Raises storaged.client errors (Unavailable, NotFound...) or
+    StoragedBundleMismatchError when the session cannot be opened.
+    """
+
+    def __init__(self, socket_path: str, model_name: str, bundle: Bundle, device: torch.device | str, *,
+                 connect_timeout: float = 0.0, rpc_timeout: float = 60.0, probe_timeout: float = 1.0):
+        self.socket_path = str(socket_path)
+        self.model_name = model_name
+        self.bundle = bundle
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compared with the arena's device
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rpc_timeout = rpc_timeout  # seconds for unary calls (Attach, Info, Detach)
+        self.probe_timeout = probe_timeout  # seconds is_available may take
+        self.capacity_retries = 0  # acquires that had to drop the session's other pins to fit
+        self._layouts = {layer: uniform_layout(bundle, layer) for layer in bundle.pack.layers}
+        self._state_lock = threading.Lock()  # client/session swaps vs is_available on other threads
+        self._wait_lock = threading.Lock()
+        self._wait_seconds = 0.0
+        self._client: StorageClient | None = None
+        self._session: Session | None = None
+        self._connect(connect_timeout)
+
+    # --- connection -----------------------------------------------------------------------------
+
+    def _connect(self, wait_seconds: float) -> None:
+        client = StorageClient(self.socket_path, timeout=self.rpc_timeout)
+        try:
+            if wait_seconds > 0:
+                client.wait_until_serving(wait_seconds)
+            models = client.info().models
+            served = models.get(self.model_name)
+            if served is None:
+                raise NotFound(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
+                               f"{self.socket_path} (served: {', '.join(sorted(models))}); name the "
+                               "daemon's model with --storaged-model", rpc="Info")
+            session = client.attach(self.model_name)
+            try:
+                problem = (layout_mismatch(self.bundle, served.model_type, session.layers)
+                           or manifest_mismatch(self.bundle, served.bundle_path)
+                           or self._probe_mismatch(session))
+                if problem is not None:
+                    raise StoragedBundleMismatchError(
+                        self.socket_path, self.model_name,
+                        f"serves {served.bundle_path}, not the bundle loaded here ({self.bundle.path}): {problem}")
+            except BaseException:
+                session.close()
+                raise
+        except BaseException:
+            client.close()
+            raise
+        with self._state_lock:
+            self._client, self._session = client, session
+        log.info("attached to storaged %s model %r: %d slots of %d bytes on %s", self.socket_path,
+                 self.model_name, session.slot_count, session.slot_size, session.arena.device)
+
+    def _probe_mismatch(self, session: Session) -> str | None:
+        """Reads one object through the arena and compares its checksum with our pack index."""
+        layer = self.bundle.pack.layers[0]
+        entry = self.bundle.pack.entry(layer, 0)
+        (slot,) = session.acquire(layer, [0])
+        payload = session.slot_bytes(slot, entry.size).cpu().numpy()  # uint8 [size]; CUDA: copied
+        crc = zlib.crc32(payload)
+        session.release(layer)
+        if crc != entry.crc32:
+            return f"layer {layer} expert 0 has crc32 {crc:#010x} there, {entry.crc32:#010x} here"
+        return None
+
+    def _disconnect(self) -> None:
+        with self._state_lock:
+            client, session = self._client, self._session
+            self._client = self._session = None
+        if session is not None:
+            try:
+                session.close()
+            except (StorageError, ClientClosed, grpc.RpcError):
+                pass  # the daemon is gone or forgot the session: nothing left to free there
+        if client is not None:
+            client.close()
+
+    def reconnect(self) -> None:
+        """Open a new session (a new client channel, a new arena mapping), e.g. after the daemon
+        restarted; raises Unavailable while it is still down. A fresh channel is used because the
+        old one may sit in gRPC's reconnect back-off for seconds after the daemon is back."""
+        self._sync_device()
+        self._disconnect()
+        self._connect(wait_seconds=0.0)
+
+    def is_available(self) -> bool:
+        """Whether the daemon answers its health check as SERVING (thread-safe; at most probe_timeout)."""
+        with self._state_lock:
+            client = self._client
+        if client is None:
+            return False
+        try:
+            client.wait_until_serving(self.probe_timeout)
+        except (StorageError, ClientClosed, ValueError):  # ValueError: channel closed by a reconnect
+            return False
+        return True
+
+    def close(self) -> None:
+        """End the session (storaged releases its pins) and the connection. Idempotent."""
+        self._sync_device()
+        self._disconnect()
+
+    # --- the ExpertSource protocol ----------------------------------------------------------------
+
+    def layout(self, layer: int) -> tuple[RoleEntry, ...]:
+        if layer not in self._layouts:
+            raise ExpertLayoutError(layer, f"{self.bundle.pack.path} has no routed experts for this layer "
+                                    f"(its layers: {list(self._layouts)})")
+        return self._layouts[layer]
+
+    def acquire(self, layer: int, experts: list[int]) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        try:
+            return self._acquire(layer, experts)
+        finally:
+            elapsed = time.perf_counter() - started
+            with self._wait_lock:
+                self._wait_seconds += elapsed
+
+    def expert_wait_seconds(self) -> float:
+        """Seconds spent in acquire since this source was made (on CUDA: until the copies were
+        queued on the stream, not until they completed)."""
+        with self._wait_lock:
+            return self._wait_seconds
+
+    def _acquire(self, layer: int, experts: list[int]) -> list[torch.Tensor]:
+        session = self._session
+        if session is None:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
+                              "(the last reconnect failed)", rpc="Acquire")
+        self._sync_device()  # views handed out before may be read by queued work until now
+        stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None
+        try:
+            slots = self._acquire_slots(session, layer, experts, stream)
+        except NotFound as exc:
+            raise StoragedSessionLostError(exc.code, f"{exc.details}; storaged at {self.socket_path} "
+                                           "probably restarted", rpc=exc.rpc) from exc
+        layer_layout = session.layers[layer]
+        objects = []
+        for expert, slot in zip(experts, slots, strict=True):
+            view = session.slot_bytes(slot, layer_layout.object(expert).object_bytes)  # uint8 [object bytes]
+            objects.append(view if view.device == self.device else view.to(self.device))
+        return objects
+
+    def _acquire_slots(self, session: Session, layer: int, experts: Sequence[int], stream) -> list[int]:
+        try:
+            return session.acquire(layer, experts, stream=stream)
+        except CapacityExhausted:
+            # The failed stream took all of this session's pins with it; if this layer alone fits,
+            # the retry succeeds (the other layers' views are no longer in use, see the docstring).
+            self.capacity_retries += 1
+            if self.capacity_retries == 1:
+                log.warning("storaged's cache (%d slots) cannot hold every layer's pinned experts at once; "
+                            "each such acquire costs a failed round trip. Raise vram_cache_bytes.",
+                            session.slot_count)
+        try:
+            return session.acquire(layer, experts, stream=stream)
+        except CapacityExhausted as exc:
+            raise ExpertCapacityError(
+                exc.code, f"layer {layer} needs {len(experts)} experts pinned at once ({len(experts)} x "
+                f"{session.slot_size} bytes) but storaged at {self.socket_path} has {session.slot_count} slots "
+                f"in all ({exc.details}); raise its vram_cache_bytes", rpc=exc.rpc) from exc
+
+    def _sync_device(self) -> None:
+        session = self._session
+        if session is not None and session.arena.device.type == "cuda":
+            torch.cuda.current_stream(session.arena.device).synchronize()

@@ -1,0 +1,105 @@
+"""storaged killed with SIGKILL and restarted on the same socket, under StoragedExpertSource and the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from test_storaged_source_fixtures import (
+    PROMPT,
+    StoragedDaemon,
+    greedy,
+    one_thread,  # noqa: F401  (the fixture)
+    qwen_case,  # noqa: F401  (the fixture)
+    cases_dir,  # noqa: F401  (the fixture)
+)
+
+from inference.engine import Engine, ExpertSourceUnavailableError, Finished, SamplingParams
+from inference.engine.source_hooks import find_unavailable
+from inference.experts import LocalPackSource
+from inference.experts.storaged_source import StoragedExpertSource
+from inference.model import load_model
+from storaged.client import Unavailable
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def engine_text(engine: Engine, params: SamplingParams = PARAMS) -> str:
+    text = []
+    for event in engine.generate(PROMPT[0], params):
+        if not isinstance(event, Finished):
+            text.append(event.text)
+    return "".join(text)
+
+
+@pytest.fixture(scope="module")
+def expected(qwen_case):
+    with load_model(qwen_case.bundle, device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as local:
+        engine = Engine.from_loaded(local)
+        try:
+            return greedy(local.model), engine_text(engine)
+        finally:
+            engine.close()
+
+
+def test_killed_daemon_is_unavailable_until_restarted_then_reconnect_matches_again(qwen_case, expected):
+    daemon = StoragedDaemon({"qwen": qwen_case.bundle})
+    loaded = load_model(qwen_case.bundle, device="cpu", dtype=torch.float32,
+                        expert_source=lambda bundle, device: StoragedExpertSource(str(daemon.socket), "qwen",
+                                                                                  bundle, device))
+    source = loaded.expert_source
+    try:
+        assert greedy(loaded.model) == expected[0]
+        first_arena = source._session.arena.descriptor.shm_path
+        daemon.kill()
+        assert daemon.process.returncode == -signal.SIGKILL
+        assert not os.path.exists(first_arena)  # kill() swept the arena file the dead daemon left
+        with pytest.raises(Exception) as failure:  # noqa: PT011 - whatever transformers wraps it in
+            greedy(loaded.model)
+        assert isinstance(find_unavailable(failure.value, source), Unavailable), failure.value
+        assert not source.is_available()
+        with pytest.raises(Unavailable):
+            source.reconnect()  # still down
+        with pytest.raises(Unavailable, match="no session"):
+            greedy(loaded.model)  # the failed reconnect left no session behind
+        daemon.start()
+        source.reconnect()
+        assert source.is_available()
+        assert source._session.arena.descriptor.shm_path != first_arena  # the new daemon's arena is mapped
+        assert greedy(loaded.model) == expected[0]
+        assert daemon.stats().sessions == 1
+    finally:
+        source.close()
+        loaded.close()
+        daemon.stop()
+
+
+def test_engine_fails_the_request_in_flight_with_503_cause_and_recovers_after_restart(qwen_case, expected):
+    daemon = StoragedDaemon({"qwen": qwen_case.bundle})
+    loaded = load_model(qwen_case.bundle, device="cpu", dtype=torch.float32,
+                        expert_source=lambda bundle, device: StoragedExpertSource(str(daemon.socket), "qwen",
+                                                                                  bundle, device))
+    engine = Engine.from_loaded(loaded)
+    try:
+        assert engine_text(engine) == expected[1]
+        events = engine.generate(PROMPT[0], SamplingParams(max_tokens=2000, temperature=0.0))
+        for _ in range(3):
+            next(events)
+        daemon.kill()  # mid-request: the next layer's acquire finds the stream gone
+        with pytest.raises(ExpertSourceUnavailableError) as failure:
+            for _ in events:
+                pass
+        assert isinstance(find_unavailable(failure.value.__cause__, loaded.expert_source), Unavailable)
+        with pytest.raises(ExpertSourceUnavailableError):
+            engine_text(engine)  # still down: refused after one more reconnect attempt
+        daemon.start()
+        assert engine_text(engine) == expected[1]  # the engine reconnected before running it
+        assert engine.metrics.expert_source_unavailable._value.get() == 2
+    finally:
+        engine.close()
+        loaded.expert_source.close()
+        loaded.close()
+        daemon.stop()
