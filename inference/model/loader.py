@@ -32,6 +32,10 @@ class LoadedModel:
     expert_source: ExpertSource
 
     def close(self) -> None:
+        # A storaged-backed source holds a session (and its pins) until closed.
+        close_source = getattr(self.expert_source, "close", None)
+        if callable(close_source):
+            close_source()
         self.bundle.close()
 
     def __enter__(self) -> LoadedModel:
