@@ -176,8 +176,9 @@ class HFSource:
             if (self.path / name).is_file():
                 shutil.copyfile(self.path / name, out_dir / name)
                 copied.append(name)
-        note = "copied from the checkpoint directory" if copied else "the checkpoint directory has no tokenizer files"
-        return {"files": copied, "origin": str(self.path), "note": note}
+        if not copied:
+            return {"files": [], "origin": "none", "note": f"{self.path} has no tokenizer files"}
+        return {"files": copied, "origin": "copied", "note": f"copied from {self.path}"}
 
     def identity(self) -> dict:
         """Every checkpoint file with its size; safetensors files also with the sha256 of their
