@@ -74,7 +74,7 @@ class StoragedConfig:
     metrics_address: str = DEFAULT_METRICS_ADDRESS  # host:port of the Prometheus endpoint; "" = off
     device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
     shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
-    max_ids_per_acquire: int = 256  # most expert ids in one Acquire or Prefetch
+    max_ids_per_acquire: int = 1024  # most expert ids in one Acquire or Prefetch (Kimi-K2: 384 a layer)
     # Peer-credential allow-lists (SO_PEERCRED): when either is set, a client is served only if
     # its uid is in allowed_uids or its gid or a supplementary group is in allowed_gids; the
     # others get PERMISSION_DENIED. Unset (None): whoever the socket's mode and group let in.

@@ -7,16 +7,16 @@ Attach maps the daemon's arena once (a /dev/shm file on a CPU daemon, a CUDA IPC
 GPU daemon); each `acquire` is one message each way on the session's Acquire stream and returns
 views of the slots' bytes: no copy when the arena lives on the compute device, one copy otherwise.
 
-Lifetime of the views: storaged keeps a layer's slots pinned until that layer's next Acquire.
-The experts forward reads the views only while it computes that layer (it gathers them into
-fresh tensors first), so they are dead by then; the one hazard is work still queued on a CUDA
+Lifetime of the views: every Acquire sets `release_other_layers`, so storaged keeps pinned only
+the layer being computed, and the cache needs room for one layer's demand rather than every
+layer's at once (a long prompt touches every expert of every layer: the whole model). So,
+stricter than the ExpertSource protocol: the views of one `acquire` may be overwritten after the
+next one. That is safe because the experts forward reads the views only while it computes that
+layer (it gathers them into fresh tensors first); the one hazard is work still queued on a CUDA
 stream, hence `acquire` synchronizes the current stream before asking for more slots (cheap: the
 forward has just synchronized to read the routing ids). A CPU forward is synchronous.
-When the cache cannot hold every layer's pins at once, an Acquire fails with RESOURCE_EXHAUSTED
-and the server drops all of this session's pins; `acquire` then retries once, which succeeds
-when that one layer fits. So, stricter than the ExpertSource protocol: views of other layers may
-be evicted after any acquire. Only a layer whose own demand exceeds the cache fails, with
-ExpertCapacityError.
+A layer whose own demand does not fit (the cache is smaller than that layer's distinct experts,
+or other sessions pin the rest) fails with ExpertCapacityError; nothing is retried.
 
 At attach the daemon's model is checked to be the very bundle loaded here: model type, MoE
 layers, experts per layer, every object's size and role entries, the manifest's pack index
@@ -60,7 +60,8 @@ class StoragedSessionLostError(Unavailable):
 
 
 class ExpertCapacityError(CapacityExhausted):
-    """One layer needs more slots at once than the daemon's whole cache holds."""
+    """One layer needs more slots at once than the daemon's cache has free for this session (its
+    whole cache, less what other sessions pin)."""
 
 
 def _role_entries(layout) -> tuple[RoleEntry, ...]:
@@ -124,7 +125,6 @@ class StoragedExpertSource:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rpc_timeout = rpc_timeout  # seconds for unary calls (Attach, Info, Detach)
         self.probe_timeout = probe_timeout  # seconds is_available may take
-        self.capacity_retries = 0  # acquires that had to drop the session's other pins to fit
         self._layouts = {layer: uniform_layout(bundle, layer) for layer in bundle.pack.layers}
         self._state_lock = threading.Lock()  # client/session swaps vs is_available on other threads
         self._wait_lock = threading.Lock()
@@ -243,7 +243,7 @@ class StoragedExpertSource:
         if session is None:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
                               "(the last reconnect failed)", rpc="Acquire")
-        self._sync_device()  # views handed out before may be read by queued work until now
+        self._sync_device()  # this Acquire frees every other layer's slots: no queued work may read them
         stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None
         try:
             slots = self._acquire_slots(session, layer, experts, stream)
@@ -258,23 +258,15 @@ class StoragedExpertSource:
         return objects
 
     def _acquire_slots(self, session: Session, layer: int, experts: Sequence[int], stream) -> list[int]:
+        # The caller has synchronized the device: no queued work reads another layer's views.
         try:
-            return session.acquire(layer, experts, stream=stream)
-        except CapacityExhausted:
-            # The failed stream took all of this session's pins with it; if this layer alone fits,
-            # the retry succeeds (the other layers' views are no longer in use, see the docstring).
-            self.capacity_retries += 1
-            if self.capacity_retries == 1:
-                log.warning("storaged's cache (%d slots) cannot hold every layer's pinned experts at once; "
-                            "each such acquire costs a failed round trip. Raise vram_cache_bytes.",
-                            session.slot_count)
-        try:
-            return session.acquire(layer, experts, stream=stream)
+            return session.acquire(layer, experts, stream=stream, release_other_layers=True)
         except CapacityExhausted as exc:
             raise ExpertCapacityError(
                 exc.code, f"layer {layer} needs {len(experts)} experts pinned at once ({len(experts)} x "
                 f"{session.slot_size} bytes) but storaged at {self.socket_path} has {session.slot_count} slots "
-                f"in all ({exc.details}); raise its vram_cache_bytes", rpc=exc.rpc) from exc
+                f"in all, other sessions' pins included ({exc.details}); raise its vram_cache_bytes",
+                rpc=exc.rpc) from exc
 
     def _sync_device(self) -> None:
         session = self._session

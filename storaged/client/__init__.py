@@ -2,9 +2,10 @@
 
 - `StorageClient(socket_path, *, timeout=60.0)`: `info() -> ServerInfo`, `stats() -> Stats`,
   `attach(model) -> Session`, `wait_until_serving(timeout)`, `close()`.
-- `Session`: `acquire(layer, experts, *, stream=None) -> list[int]` (slot ids, pinned until the
-  layer's next acquire; on CUDA the stream waits for copies in flight), `acquire_raw(layer,
-  experts) -> (slots, ready_events)`, `release(layer=None)`, `prefetch(layer, experts)`,
+- `Session`: `acquire(layer, experts, *, stream=None, release_other_layers=False) -> list[int]`
+  (slot ids, pinned until the layer's next acquire, or any layer's with release_other_layers;
+  on CUDA the stream waits for copies in flight), `acquire_raw(layer, experts, *,
+  release_other_layers=False) -> (slots, ready_events)`, `release(layer=None)`, `prefetch(layer, experts)`,
   `slot_bytes(slot, nbytes=None) -> uint8 tensor`, `object_layout(layer, expert) -> ObjectLayout`,
   `layers`, `slot_size`, `slot_count`, `arena`, `close()`.
 - Errors: `StorageError` (base, `.code`, `.details`), `NotFound`, `InvalidRequest`,

@@ -3,6 +3,7 @@
     client = StorageClient("/run/expertpack/storaged.sock")
     session = client.attach("qwen3-30b")
     slots = session.acquire(layer=3, experts=[5, 17, 40])   # pinned until layer 3's next acquire
+    slots = session.acquire(4, [1, 2], release_other_layers=True)  # layer 3's pins dropped too
     weights = session.slot_bytes(slots[0], nbytes)          # uint8 view into the mapped arena
     session.close(); client.close()
 
@@ -93,25 +94,32 @@ class Session:
         if self._closed:
             raise ClientClosed(f"session {self.id} of model {self.model!r} is closed")
 
-    def acquire(self, layer: int, experts: Sequence[int], *, stream=None) -> list[int]:
+    def acquire(self, layer: int, experts: Sequence[int], *, stream=None,
+                release_other_layers: bool = False) -> list[int]:
         """Slot ids of `experts` of `layer`, in order; pinned until the layer's next acquire.
 
         On a CUDA arena, `stream` (default: the current stream) is made to wait for copies
         still in flight, so work queued on it afterwards sees the slots' bytes.
+        `release_other_layers`: the daemon first drops this session's pins on every other layer
+        (atomically: not if this acquire fails), so only this layer's demand must fit in its
+        cache. Pass it only once nothing reads the other layers' slots any more (on CUDA: no
+        queued kernel either), since their slots may be overwritten from then on.
         """
-        slots, events = self.acquire_raw(layer, experts)
+        slots, events = self.acquire_raw(layer, experts, release_other_layers=release_other_layers)
         for event in {e for e in events if e >= 0}:
             self.arena.wait_event(event, stream)
         return slots
 
-    def acquire_raw(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
+    def acquire_raw(self, layer: int, experts: Sequence[int], *,
+                    release_other_layers: bool = False) -> tuple[list[int], list[int]]:
         """(slots, ready_events): each event index must be waited on before reading that slot
         (-1: already complete). For callers that manage their own streams."""
         with self._lock:
             self._check_open()
             self._next_request += 1
             request = pb.AcquireRequest(session_id=self.id, layer=layer, experts=experts,
-                                        request_id=self._next_request)
+                                        request_id=self._next_request,
+                                        release_other_layers=release_other_layers)
             if self._stream is None:
                 self._stream = _AcquireStream(self._client._stub, self.id)
             try:

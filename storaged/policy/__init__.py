@@ -8,8 +8,9 @@ Tiers: VRAM (one device allocation cut into equal slots), an optional pinned hos
   frequency (halving every `half_life` accesses, applied lazily through a logical clock, so an
   access is O(1)); the older last access breaks ties. Victims come off a lazily invalidated
   min-heap: O(log n), not a scan of every slot. Pinned and LOADING entries are never evicted.
-- `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer; hits,
-  single-flight waits, loads from host or pack; all-or-nothing on CapacityExhausted), Prefetch
+- `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer, and on
+  request drop its pins on the model's other layers; hits, single-flight waits, loads from host
+  or pack; all-or-nothing on CapacityExhausted), Prefetch
   (free or cold slots only, never pinned or loading ones), completion/abort, release/close.
 - `PolicyStats`: counters and gauges for the Stats RPC and Prometheus.
 

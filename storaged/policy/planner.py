@@ -25,8 +25,9 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from storaged.policy.errors import (CapacityExhausted, DuplicateExpert, InvalidExpert,
-                                    InvalidLayer, PolicyStateError, TooManyExperts, UnknownModel)
+from storaged.policy.capacity import check_capacity
+from storaged.policy.errors import (DuplicateExpert, InvalidExpert, InvalidLayer, PolicyStateError,
+                                    TooManyExperts, UnknownModel)
 from storaged.policy.keys import ExpertKey, ModelLayout
 from storaged.policy.plan import (AcquirePlan, Eviction, ExpertStep, PolicyStats, PrefetchPlan,
                                   SessionId, Source)
@@ -71,19 +72,28 @@ class AcquirePlanner:
 
     # ---- demand ------------------------------------------------------------------------------
 
-    def acquire(self, session: SessionId, model: int, layer: int,
-                experts: Sequence[int]) -> AcquirePlan:
+    def acquire(self, session: SessionId, model: int, layer: int, experts: Sequence[int], *,
+                release_other_layers: bool = False) -> AcquirePlan:
         """Pin `experts` of (model, layer) for `session`, replacing its previous pins there.
 
-        Raises an InvalidRequest subclass or CapacityExhausted before changing anything.
+        `release_other_layers`: also drop the session's pins on every other layer of `model`, in
+        the same step, so those slots can be this request's victims (a client computing one
+        layer at a time then needs only that layer's demand to fit). Raises an InvalidRequest
+        subclass or CapacityExhausted before changing anything, the other layers' pins included.
         """
         self._validate(model, layer, experts, enforce_limit=True)
         keys = tuple([ExpertKey(model, layer, expert) for expert in experts])
-        previous = self._sessions.held(session, model, layer)
-        self._check_capacity(model, layer, previous, keys)
+        sessions = self._sessions
+        previous = sessions.held(session, model, layer)
+        other_layers = sessions.other_layers(session, model, layer) if release_other_layers else ()
+        released_elsewhere = [key for ref in other_layers for key in sessions.held(session, *ref)]
+        check_capacity(self.vram, model, layer, previous, released_elsewhere, keys)
 
         vram = self.vram
-        self._sessions.replace(session, model, layer, keys)
+        for _, other_layer in other_layers:
+            for key in sessions.take(session, model=model, layer=other_layer):
+                vram.unpin(key)  # before any reservation, so these slots can be victims
+        sessions.replace(session, model, layer, keys)
         kept = set(previous).intersection(keys) if previous else ()
         for key in previous:
             if key not in kept:
@@ -217,31 +227,6 @@ class AcquirePlanner:
             if expert in seen:
                 raise DuplicateExpert(model, layer, expert)
             seen.add(expert)
-
-    def _check_capacity(self, model: int, layer: int, previous: tuple[ExpertKey, ...],
-                        keys: tuple[ExpertKey, ...]) -> None:
-        """Raise CapacityExhausted now if the misses cannot all get a VRAM slot, so a failing
-        Acquire changes nothing (not even the session's previous pins or the counters)."""
-        vram = self.vram
-        available = vram.free_slot_count + vram.evictable_count
-        if available >= len(keys):
-            return  # even if every key missed or pinned an evictable entry, all would fit
-        previously_held = set(previous)
-        for key in previous:  # becomes evictable once this session's pin is gone
-            if vram.state(key) is EntryState.READY and vram.pin_count(key) == 1:
-                available += 1
-        needed = 0
-        for key in keys:
-            state = vram.state(key)
-            if state is None:
-                needed += 1
-            elif state is EntryState.READY:
-                pins_after_release = vram.pin_count(key) - (1 if key in previously_held else 0)
-                if pins_after_release == 0:
-                    available -= 1  # a hit on an evictable entry pins it: no longer a victim
-        if needed > available:
-            raise CapacityExhausted(vram.tier, needed, available,
-                                    f"model {model} layer {layer}: {len(keys)} experts requested")
 
     def _plan_sources(self, keys: list[ExpertKey], evictions: list[Eviction], *,
                       speculative: bool) -> list[tuple[Source, int | None]]:

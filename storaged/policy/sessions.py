@@ -34,6 +34,10 @@ class SessionPins:
     def held_by(self, session: SessionId) -> dict[LayerRef, tuple[ExpertKey, ...]]:
         return dict(self._held.get(session, {}))
 
+    def other_layers(self, session: SessionId, model: int, layer: int) -> list[LayerRef]:
+        """The (model, layer)s of `model` other than `layer` on which the session holds pins."""
+        return [ref for ref in self._held.get(session, ()) if ref[0] == model and ref[1] != layer]
+
     def holders(self, key: ExpertKey) -> frozenset[SessionId]:
         return frozenset(self._holders.get(key, ()))
 

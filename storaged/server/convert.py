@@ -18,6 +18,7 @@ class AcquireCommand:
     layer: int
     experts: tuple[int, ...]
     request_id: int
+    release_other_layers: bool = False  # drop the session's pins on the model's other layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,8 @@ class ReleaseCommand:
 
 
 def acquire_command(request: pb.AcquireRequest) -> AcquireCommand:
-    return AcquireCommand(request.session_id, request.layer, tuple(request.experts), request.request_id)
+    return AcquireCommand(request.session_id, request.layer, tuple(request.experts), request.request_id,
+                          request.release_other_layers)
 
 
 def acquire_response(result: AcquireResult) -> pb.AcquireResponse:

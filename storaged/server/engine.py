@@ -90,16 +90,18 @@ class StorageEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    async def acquire(self, session: Session, layer: int, experts: tuple[int, ...]
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(slots, ready_events) in request order; pins replace the session's pins on `layer`."""
+    async def acquire(self, session: Session, layer: int, experts: tuple[int, ...], *,
+                      release_other_layers: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(slots, ready_events) in request order; pins replace the session's pins on `layer`
+        (and, with `release_other_layers`, its pins on every other layer of the model)."""
         if not experts:
             raise EmptyRequest(f"session {session.id}: Acquire of layer {layer} names no experts "
                                "(use Release to drop a layer's pins)")
         started = time.perf_counter()
         model = session.model
         try:
-            plan = self.planner.acquire(session.id, model.model_id, layer, experts)
+            plan = self.planner.acquire(session.id, model.model_id, layer, experts,
+                                        release_other_layers=release_other_layers)
         except CapacityExhausted:
             self.capacity_exhausted += 1
             raise

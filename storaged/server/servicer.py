@@ -187,7 +187,9 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
                         raise SessionNotFound(session.id)
                     elif command.session_id != session.id:
                         raise StreamSessionMismatch(session.id, command)
-                    slots, events = await self.engine.acquire(session, command.layer, command.experts)
+                    slots, events = await self.engine.acquire(
+                        session, command.layer, command.experts,
+                        release_other_layers=command.release_other_layers)
                 except _REQUEST_ERRORS as exc:
                     server_error = True
                     await self._abort(context, exc)

@@ -62,9 +62,10 @@ def test_greedy_tokens_equal_local_pack_and_transformers(cases, daemon, arch, fm
         assert greedy(local.model) == expected
     with storaged_model(case.bundle, daemon.socket, case.name) as loaded:
         try:
+            refused = daemon.stats().capacity_exhausted
             assert greedy(loaded.model) == expected
             assert loaded.expert_source.expert_wait_seconds() > 0
-            assert loaded.expert_source.capacity_retries == 0
+            assert daemon.stats().capacity_exhausted == refused
         finally:
             loaded.expert_source.close()
 
@@ -88,35 +89,52 @@ def test_stats_show_misses_then_hits(daemon, qwen_case):
     assert vram["after"].resident_experts >= vram["middle"].resident_experts > 0
 
 
+SHORT_CACHE_SLOTS = 3
+
+
 @pytest.fixture(scope="module")
 def three_slot_daemon(qwen_case):
-    """Room for one decode step's experts of one layer (top-2) plus one: not for both layers' pins,
-    nor for one layer of a long prefill (all 8 experts)."""
+    """Room for one decode step's experts of one layer (top-2) plus one: not for every layer's
+    pins at once, nor for one layer of a long prefill (all 8 experts)."""
     with open_bundle(qwen_case.bundle) as bundle:
         slot = bundle.pack.max_object_size
-    daemon = StoragedDaemon({qwen_case.name: qwen_case.bundle}, vram_cache_bytes=3 * slot)
+    daemon = StoragedDaemon({qwen_case.name: qwen_case.bundle}, vram_cache_bytes=SHORT_CACHE_SLOTS * slot)
     yield daemon
     daemon.stop()
 
 
-def test_pins_of_other_layers_are_dropped_when_the_cache_is_short(qwen_case, three_slot_daemon):
+def test_a_cache_short_of_every_layers_pins_decodes_without_a_refusal(qwen_case, three_slot_daemon):
+    with open_bundle(qwen_case.bundle) as bundle:
+        layers, top_k = len(bundle.pack.layers), bundle.config["num_experts_per_tok"]
+    assert SHORT_CACHE_SLOTS < layers * top_k  # holding every layer's pins would not fit
     with load_model(qwen_case.bundle, device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as local:
         expected = greedy(local.model, prompt=[[9]], new_tokens=8)
     with storaged_model(qwen_case.bundle, three_slot_daemon.socket, qwen_case.name) as loaded:
         try:
+            before = three_slot_daemon.stats()
             assert greedy(loaded.model, prompt=[[9]], new_tokens=8) == expected
-            assert loaded.expert_source.capacity_retries > 0
+            after = three_slot_daemon.stats()
         finally:
             loaded.expert_source.close()
+    assert after.capacity_exhausted == before.capacity_exhausted == 0
+    assert after.acquires - before.acquires == 8 * layers  # one per layer per token, none retried
+    assert 0 < after.pins <= top_k  # only the last layer computed stays pinned
+    vram_before, vram_after = before.tiers["vram"], after.tiers["vram"]
+    misses = vram_after.misses - vram_before.misses
+    # Each miss takes a free slot while there is one and evicts an expert once the cache is full.
+    free_before = SHORT_CACHE_SLOTS - vram_before.resident_experts
+    assert misses > SHORT_CACHE_SLOTS
+    assert vram_after.evictions - vram_before.evictions == misses - free_before
+    assert vram_after.resident_experts == SHORT_CACHE_SLOTS
 
 
 def test_a_layer_larger_than_the_cache_is_a_clear_capacity_error(qwen_case, three_slot_daemon):
     with storaged_model(qwen_case.bundle, three_slot_daemon.socket, qwen_case.name) as loaded:
         try:
             with pytest.raises(ExpertCapacityError, match=r"layer 0 needs \d+ experts pinned at once .* has 3 "
-                               r"slots in all .*raise its vram_cache_bytes"):
+                               r"slots in all, other sessions. pins included .*raise its vram_cache_bytes"):
                 greedy(loaded.model, prompt=LONG_PROMPT, new_tokens=1)
-            assert three_slot_daemon.stats().capacity_exhausted >= 2  # the first try and the retry
+            assert three_slot_daemon.stats().capacity_exhausted == 1  # refused once, not retried
         finally:
             loaded.expert_source.close()
 

@@ -36,6 +36,7 @@ def test_defaults(tmp_path):
     assert config.vram_cache_bytes == 1 << 30
     assert config.models == {"m": tmp_path.absolute()}
     assert config.cuda_device_index is None
+    assert config.max_ids_per_acquire == 1024  # a prompt may touch every expert (Kimi-K2: 384)
 
 
 @pytest.mark.parametrize("field, value", [

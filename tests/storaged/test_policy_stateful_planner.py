@@ -2,7 +2,8 @@
 protocol. The shadow is built only from the plans the planner returned; after every step the
 caches must agree with it: budgets respected, one key per slot, hits on the right slot, no
 pinned or LOADING entry evicted, pins equal to the sessions holding them, single flight, and a
-CapacityExhausted that changed nothing.
+CapacityExhausted that changed nothing (also when the Acquire would have released the session's
+pins on the other layers).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from storaged.policy import (AcquirePlanner, CapacityExhausted, EntryState, Expe
                              ModelLayout, SlotCache, Source)
 
 MODEL = 0
-LAYERS = 2
+LAYERS = 3
 EXPERTS = 6
 SESSIONS = ["s0", "s1", "s2"]
 VRAM_SLOTS = 5
@@ -64,11 +65,12 @@ class PlannerMachine(RuleBasedStateMachine):
     # ---- rules -----------------------------------------------------------------------------
 
     @rule(session=st.sampled_from(SESSIONS), layer=st.integers(0, LAYERS - 1),
-          experts=expert_lists)
-    def acquire(self, session, layer, experts):
+          experts=expert_lists, release_other_layers=st.booleans())
+    def acquire(self, session, layer, experts, release_other_layers):
         before = self.snapshot()
         try:
-            plan = self.planner.acquire(session, MODEL, layer, experts)
+            plan = self.planner.acquire(session, MODEL, layer, experts,
+                                        release_other_layers=release_other_layers)
         except CapacityExhausted:
             assert self.snapshot() == before, "CapacityExhausted changed the state"
             return
@@ -80,6 +82,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert step.source is Source.READY, f"{step.key} is resident: must hit"
             else:
                 assert step.source.needs_io
+        if release_other_layers:  # the session's pins on every other layer go with them
+            self.pinned[session] = {}
         self.pinned[session][layer] = set()  # the previous pins are released first
         self.apply_evictions(plan.evictions)
         for step in plan.steps:

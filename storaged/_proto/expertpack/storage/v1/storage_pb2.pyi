@@ -194,16 +194,18 @@ class RoleLayout(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., element_type: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "layer", "experts", "request_id")
+    __slots__ = ("session_id", "layer", "experts", "request_id", "release_other_layers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_OTHER_LAYERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     layer: int
     experts: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
-    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    release_other_layers: bool
+    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., release_other_layers: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("request_id", "slots", "ready_events")
