@@ -1,0 +1,151 @@
+"""The five contenders, each built for one VRAM budget inside the benchmark's child process:
+  resident          the model fully resident in transformers (dequantized to the run dtype)
+  accelerate        HF accelerate disk offload: from_pretrained(device_map, max_memory, offload_folder)
+  gguf_mmap         the naive on-demand loader, bench.e2e.gguf_mmap_source (the "native GGUF path")
+  storaged          storaged (O_DIRECT, io_parallelism 16) serving the bundle through StoragedExpertSource
+  storaged_serial   storaged with io_parallelism 1 and no host tier: the published SGLang design's
+                    serial miss path (no prefetch: the client issues none in either mode yet)
+A built contender is the model plus what the measurement needs from it (processes whose reads
+count, cache statistics, and what to close)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.e2e.prepare import PreparedModel
+
+CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial")
+STORAGED_MODEL = "bench"
+IO_PARALLELISM = {"storaged": 16, "storaged_serial": 1}
+
+
+class ContenderSkipped(Exception):
+    """This contender cannot run here or at this budget; the message is the stated reason."""
+
+
+@dataclasses.dataclass
+class BuiltContender:
+    model: torch.nn.Module
+    reader_pids: list  # processes whose /proc/<pid>/io read_bytes are the contender's disk reads
+    notes: list[str]
+    cache_stats: Callable[[], tuple[int, int] | None] = lambda: None  # (hits, misses) so far
+    closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+
+
+def budget_bytes(model: PreparedModel, fraction: float) -> int:
+    """`fraction` of every routed expert's pack object (padded slots), in bytes."""
+    from packtools.bundle import open_bundle
+
+    with open_bundle(model.bundle_dir) as bundle:
+        stride, objects = bundle.pack.header.object_stride, len(list(bundle.pack))
+    return int(fraction * objects * stride)
+
+
+def _resident(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
+              workdir: Path) -> BuiltContender:
+    from packtools.gguf.reference import load_reference_model
+    from packtools.gguf.source import GGUFSource
+
+    if fraction < 1.0:
+        raise ContenderSkipped("fully resident only runs at 100% (it holds every expert)")
+    expert_bytes = model.shape.bf16_expert_bytes * model.shape.experts * model.moe_layers * dtype.itemsize // 2
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if expert_bytes > 0.85 * free:
+            raise ContenderSkipped(f"dequantized experts need {expert_bytes / 2**30:.1f} GiB, "
+                                   f"{free / 2**30:.1f} GiB of VRAM is free")
+    with GGUFSource(model.gguf_path) as source:
+        resident = load_reference_model(source, dtype=dtype).to(device)
+    return BuiltContender(resident, ["self"], [f"experts dequantized to {dtype} ({expert_bytes / 2**30:.2f} GiB)"],
+                          cache_stats=lambda: None)
+
+
+def _accelerate(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
+                workdir: Path) -> BuiltContender:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import accelerate  # noqa: F401 - transformers' device_map needs it
+    except ImportError:
+        raise ContenderSkipped("accelerate is not installed") from None
+    if model.hf_dir is None:
+        raise ContenderSkipped("no bf16 Hugging Face checkpoint was prepared for this shape (disk/time budget)")
+    budget = budget_bytes(model, fraction)
+    dense = (model.bundle_dir / "dense.safetensors").stat().st_size
+    offload = workdir / "accelerate-offload"
+    offload.mkdir(parents=True, exist_ok=True)
+    # the same bytes of VRAM for weights as storaged's arena, plus the dense weights every contender holds
+    if device.type == "cuda":  # nothing kept in host RAM: beyond the VRAM budget it is disk offload
+        max_memory = {device.index or 0: dense + budget, "cpu": 0}
+    else:
+        max_memory = {"cpu": dense + budget}
+    loaded = AutoModelForCausalLM.from_pretrained(model.hf_dir, dtype=dtype, device_map="auto",
+                                                  max_memory=max_memory, offload_folder=str(offload))
+    placement = sorted(set(map(str, getattr(loaded, "hf_device_map", {}).values())))
+    return BuiltContender(loaded.eval(), ["self"], [f"max_memory {max_memory}, placement {placement}; experts bf16"])
+
+
+def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
+               workdir: Path) -> BuiltContender:
+    from bench.e2e.gguf_mmap_source import GGUFMmapSource
+    from inference.model import load_model
+
+    loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
+                        expert_source=lambda bundle, dev: GGUFMmapSource(model.gguf_path, bundle, dev))
+    return BuiltContender(loaded.model, ["self"], ["no cache of its own: the page cache, under the RAM limit"],
+                          closers=[loaded.expert_source.close, loaded.close])
+
+
+def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
+              *, io_parallelism: int) -> BuiltContender:
+    from bench.storaged_runs import StoragedProcess
+    from inference.experts.storaged_source import StoragedExpertSource
+    from inference.model import load_model
+    from packtools.bundle import open_bundle
+
+    with open_bundle(model.bundle_dir) as bundle:
+        stride = bundle.pack.header.object_stride
+    budget = budget_bytes(model, fraction)
+    # one layer's demand of a prefill must fit pinned at once (an acquire never evicts pinned slots)
+    floor = model.shape.experts * stride
+    notes = [f"io_parallelism {io_parallelism}, host tier off, O_DIRECT, checksums on"]
+    if budget < floor:
+        notes.append(f"arena raised from {budget} to {floor} bytes: one layer's experts must fit pinned")
+    daemon_device = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+    daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device=daemon_device,
+                             vram_bytes=max(budget, floor), io_parallelism=io_parallelism,
+                             staging_buffers=max(io_parallelism, 2),
+                             log_path=workdir / f"storaged-{io_parallelism}-{fraction}.log")
+    try:
+        socket = str(daemon.socket_dir / "s.sock")
+        loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
+                            expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
+    except BaseException:
+        daemon.stop(check=False)
+        raise
+
+    def cache_stats() -> tuple[int, int]:
+        vram = daemon.client.stats().tiers["vram"]
+        return vram.hits, vram.misses
+
+    return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, cache_stats=cache_stats,
+                          closers=[daemon.stop, loaded.close, loaded.expert_source.close])
+
+
+def build_contender(name: str, model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
+                    workdir: Path) -> BuiltContender:
+    """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped."""
+    if name in IO_PARALLELISM:
+        return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name])
+    builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}
+    if name not in builders:
+        raise ValueError(f"unknown contender {name!r}; known: {CONTENDERS}")
+    return builders[name](model, fraction, device, dtype, workdir)

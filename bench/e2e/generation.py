@@ -1,0 +1,67 @@
+"""The timed loop every contender runs: one prefill forward of the prompt, then greedy decoding one
+token at a time with the model's KV cache, stopped early at a deadline (after at least two tokens)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    # transformers renamed past_key_values to cache (5.2x); the GPU image still runs 5.17
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    """[1, length] random token ids above the special ids (0..2)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (1, length), generator=generator)
+
+
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int) -> None:
+    """One forward of 2 tokens, untimed: kernels compile (triton), allocators and streams warm up."""
+    model(input_ids=prompt_ids(vocab_size, 2, seed=99).to(device), use_cache=False)
+    synchronize(device)
+
+
+@torch.inference_mode()
+def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size: int, prompt_len: int,
+                     tokens: int, deadline: float, on_decode_start: Callable[[], None] | None = None) -> dict:
+    """prefill_seconds, decode_seconds, decoded (tokens), and the greedy ids (for cross-checks)."""
+    keyword = _cache_keyword(model)
+    ids = prompt_ids(vocab_size, prompt_len).to(device)  # [1, prompt_len]
+    synchronize(device)
+    started = time.perf_counter()
+    output = model(input_ids=ids, use_cache=True)
+    next_id = output.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    synchronize(device)
+    prefill_seconds = time.perf_counter() - started
+    cache = _cache_of(output)
+    generated = [int(next_id)]
+    if on_decode_start is not None:
+        on_decode_start()
+    started = time.perf_counter()
+    for _ in range(tokens):
+        output = model(input_ids=next_id, use_cache=True, **{keyword: cache})
+        cache = _cache_of(output)
+        next_id = output.logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(int(next_id))  # int() waits for the device
+        if time.perf_counter() > deadline and len(generated) > 2:
+            break
+    decode_seconds = time.perf_counter() - started
+    return {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
+            "decoded": len(generated) - 1, "token_ids": generated}

@@ -1,0 +1,149 @@
+"""The end-to-end matrix: for each shape, prepare a model sized to the disk and time left, then run
+every contender at every VRAM budget inside a total time budget, writing results.json/results.md
+after each contender (a run cut short by its time limit still leaves what it measured).
+
+    python -m bench.e2e.main --device cuda --out OUT --seconds 420 --machine-json storaged_bench.json
+    python -m bench.e2e.main --device cpu --tiny --out OUT --seconds 60 --tokens 3 --prompt-len 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e.contenders import CONTENDERS  # noqa: E402
+from bench.e2e.measure import cgroup_v2_problem  # noqa: E402
+from bench.e2e.prepare import prepare_model, remove_model  # noqa: E402
+from bench.e2e.report import write_results  # noqa: E402
+from bench.e2e.runner import run_contender_budgets  # noqa: E402
+from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
+
+PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
+CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.0, "gguf_mmap": 1.0, "storaged": 1.0, "storaged_serial": 1.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda or cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (cuda default) or float32 (cpu default)")
+    parser.add_argument("--out", type=Path, required=True, help="results.json and results.md go here")
+    parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/expertpack-e2e"),
+                        help="models, logs and offload folders (on the disk under test)")
+    parser.add_argument("--seconds", type=float, default=420.0, help="total time budget, preparation included")
+    parser.add_argument("--shapes", nargs="+", default=list(FULL_SHAPES), choices=list(FULL_SHAPES))
+    parser.add_argument("--tiny", action="store_true", help="the CPU smoke-test sizes of the shapes")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="fixed layer count (default: planned from disk and time; --tiny: 2 MoE layers)")
+    parser.add_argument("--max-layers", type=int, default=48)
+    parser.add_argument("--prepare-gbps", type=float, default=0.5,
+                        help="GB/s the preparation (synth, build, dequantize) is assumed to write, for planning")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0])
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    parser.add_argument("--tokens", type=int, default=32, help="decode tokens per run (fewer when too slow)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--ram-overhead-gib", type=float, default=None,
+                        help="host RAM allowed beyond the budget for the process itself (default 8 cuda, 3 cpu)")
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--machine-json", type=Path, default=None,
+                        help="bench/storaged_bench.py's JSON: machine limits and storaged-alone figures")
+    parser.add_argument("--keep", action="store_true", help="keep the prepared models")
+    return parser.parse_args(argv)
+
+
+def machine_figures(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    figures = json.loads(path.read_text()).get("figures") or {}
+    return {"raw_odirect_gbps": figures.get("raw_odirect_best_gbps"), **figures}
+
+
+def _plan(args, shape, prepare_seconds: float, want_bf16: bool) -> tuple[int, bool, str]:
+    """(layers, with bf16 checkpoint, why)."""
+    if args.layers is not None or args.tiny:
+        layers = args.layers or 2 + shape.dense_layers  # tiny: two MoE layers
+        return layers, want_bf16, f"{layers} layers, fixed"
+
+    free = shutil.disk_usage(args.workdir).free
+    common = dict(free_bytes=free, seconds=prepare_seconds, write_bytes_per_s=args.prepare_gbps * 1e9,
+                  max_layers=args.max_layers, min_layers=2 + shape.dense_layers)
+    if want_bf16:
+        try:
+            plan = plan_layers(shape, with_bf16_checkpoint=True, **common)
+            return plan.layers, True, f"{plan.layers} layers, limited by {plan.reason} (bf16 checkpoint included)"
+        except ShapeError as exc:
+            reason = f"no bf16 checkpoint for accelerate: {exc}"
+    else:
+        reason = "no bf16 checkpoint (accelerate not among the contenders)"
+    plan = plan_layers(shape, with_bf16_checkpoint=False, **common)
+    return plan.layers, False, f"{plan.layers} layers, limited by {plan.reason}; {reason}"
+
+
+def run(args: argparse.Namespace, results: dict) -> None:
+    started = time.perf_counter()
+    shapes = [(TINY_SHAPES if args.tiny else FULL_SHAPES)[key] for key in args.shapes]
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    overhead = int((args.ram_overhead_gib or (3 if args.device == "cpu" else 8)) * 2**30)
+    cgroup_problem = cgroup_v2_problem()
+    results["statements"] += [
+        f"dtype {dtype}; prompt {args.prompt_len} tokens; up to {args.tokens} decode tokens per run, fewer where a "
+        f"contender is too slow for its share of the {args.seconds:.0f} s budget (stated per run)",
+        "host RAM: " + (f"NOT limited ({cgroup_problem})" if cgroup_problem else
+                        f"every contender runs in a cgroup v2 with memory.max = {overhead / 2**30:.1f} GiB + its VRAM "
+                        "budget's bytes (page cache included, swap off)"),
+        "every budget is a cold start: page cache dropped, fresh daemon / model; one untimed 2-token forward warms "
+        "kernels first",
+    ]
+    weights = sum(CONTENDER_WEIGHT[c] for c in args.contenders)
+    for n, shape in enumerate(shapes):
+        left = args.seconds - (time.perf_counter() - started)
+        shape_seconds = left / (len(shapes) - n)
+        layers, with_bf16, why = _plan(args, shape, PREPARE_SHARE * shape_seconds, "accelerate" in args.contenders)
+        results["statements"].append(f"{shape.name}: {why}")
+        prep_started = time.perf_counter()
+        model = prepare_model(shape, layers, args.workdir, with_bf16_checkpoint=with_bf16)
+        results["e2e"]["models"].append(model.as_dict())
+        write_results(results, args.out)
+        run_seconds = shape_seconds - (time.perf_counter() - prep_started)
+        try:
+            for contender in args.contenders:
+                seconds = max(5.0, run_seconds * CONTENDER_WEIGHT[contender] / weights)
+                budgets = [1.0] if contender == "resident" else args.budgets
+                runs = run_contender_budgets(contender, model, budgets, tokens=args.tokens,
+                                             prompt_len=args.prompt_len, seconds=seconds, device=args.device,
+                                             dtype=dtype, workdir=args.workdir / "runs", ram_overhead_bytes=overhead,
+                                             torch_threads=args.torch_threads)
+                results["e2e"]["runs"] += runs
+                results["errors"] += [f"{r['shape']} {r['contender']} {r['budget_fraction']:.0%}: {r['error']}"
+                                      for r in runs if "error" in r]
+                write_results(results, args.out)
+        finally:
+            if not args.keep:
+                remove_model(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "machine": machine_figures(args.machine_json), "statements": [], "warnings": [], "errors": [],
+               "e2e": {"models": [], "runs": []}}
+    try:
+        run(args, results)
+    except Exception as exc:  # noqa: BLE001 - recorded, then a non-zero exit
+        import traceback
+        traceback.print_exc()
+        results["errors"].append(f"{type(exc).__name__}: {exc}")
+    json_path, md_path = write_results(results, args.out)
+    print(md_path.read_text())
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""results.json and results.md of the end-to-end benchmark, including the I/O efficiency of every
+SSD-bound run: decode tok/s x SSD bytes per token / raw O_DIRECT GB/s (1.0 = the disk's limit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SSD_BOUND_MIN_BYTES_PER_TOKEN = 1  # a run that read nothing during decode is not SSD-bound
+
+
+def add_io_efficiency(results: dict) -> None:
+    """io_efficiency on every e2e run that read from the disk, against results['machine']['raw_odirect_gbps']."""
+    raw = (results.get("machine") or {}).get("raw_odirect_gbps")
+    for run in results.get("e2e", {}).get("runs", []):
+        per_token = run.get("ssd_bytes_per_token")
+        if raw and per_token and per_token >= SSD_BOUND_MIN_BYTES_PER_TOKEN and run.get("decode_tok_s"):
+            run["ssd_gbps"] = run["decode_tok_s"] * per_token / 1e9
+            run["io_efficiency"] = run["ssd_gbps"] / raw
+
+
+def _number(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _megabytes(value) -> str:
+    return "–" if value is None else f"{value / 1e6:.1f}"
+
+
+def markdown(results: dict) -> str:
+    lines = ["# expertpack end-to-end benchmark", ""]
+    machine = results.get("machine") or {}
+    if machine:
+        lines += ["## Machine limits and storaged alone", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {key} | {_number(value, 3)} |" for key, value in machine.items()]
+        lines.append("")
+    e2e = results.get("e2e", {})
+    for model in e2e.get("models", []):
+        shape = model["shape"]
+        lines.append(f"- **{shape['name']}**: {model['layers']} layers ({model['moe_layers']} MoE), {shape['experts']} "
+                     f"experts, top-{shape['top_k']}, hidden {shape['hidden']}, moe_intermediate "
+                     f"{shape['moe_intermediate']}, {shape['expert_type']} experts; {model['expert_bytes_total'] / 1e9:.2f} "
+                     f"GB of experts{'; ' + shape['note'] if shape.get('note') else ''}")
+    if e2e.get("runs"):
+        lines += ["", "## End to end", "",
+                  "| shape | contender | VRAM budget | prefill tok/s | decode tok/s | tokens | hit rate | "
+                  "SSD MB/token | I/O efficiency | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for run in e2e["runs"]:
+            status = run.get("skipped") and f"skipped: {run['skipped']}" or run.get("error") and \
+                f"ERROR: {run['error'].splitlines()[0]}"
+            notes = "; ".join(([status] if status else []) + run.get("notes", []))
+            lines.append(f"| {run['shape']} | {run['contender']} | {run['budget_fraction']:.0%} | "
+                         f"{_number(run.get('prefill_tok_s'))} | {_number(run.get('decode_tok_s'))} | "
+                         f"{_number(run.get('tokens'))} | {_number(run.get('hit_rate'), 3)} | "
+                         f"{_megabytes(run.get('ssd_bytes_per_token'))} | {_number(run.get('io_efficiency'), 3)} | "
+                         f"{notes.replace('|', '/')} |")
+    for title, key in (("Statements", "statements"), ("Warnings", "warnings"), ("Errors", "errors")):
+        if results.get(key):
+            lines += ["", f"## {title}", ""] + [f"- {line}" for line in results[key]]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: dict, out_dir: Path) -> tuple[Path, Path]:
+    """results.json and results.md in out_dir (written again at every checkpoint)."""
+    add_io_efficiency(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    json_path.write_text(json.dumps(results, indent=1, default=str))
+    md_path.write_text(markdown(results))
+    return json_path, md_path

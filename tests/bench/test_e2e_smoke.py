@@ -1,0 +1,106 @@
+"""bench/e2e end to end on the CPU at tiny sizes: every contender of the matrix runs (or says why
+it is skipped) and results.json / results.md are written; plus the naive GGUF loader against the
+pack, the layer planner and the run_all.sh syntax."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e.contenders import CONTENDERS  # noqa: E402
+from bench.e2e.prepare import prepare_model  # noqa: E402
+from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
+
+DISK_DIR = Path("/var/tmp")
+
+
+@pytest.fixture
+def disk_dir(tmp_path_factory):
+    import tempfile
+    path = Path(tempfile.mkdtemp(prefix="e2e-test-", dir=DISK_DIR if DISK_DIR.is_dir() else None))
+    yield path
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_matrix_runs_every_contender_on_cpu(disk_dir):
+    out = disk_dir / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.e2e.main", "--device", "cpu", "--tiny", "--out", str(out), "--workdir",
+         str(disk_dir / "work"), "--seconds", "40", "--tokens", "3", "--prompt-len", "8", "--budgets", "0.25", "1.0",
+         "--torch-threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=170)
+    results = json.loads((out / "results.json").read_text())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert results["errors"] == []
+    runs = results["e2e"]["runs"]
+    assert {(r["shape"], r["contender"]) for r in runs} == {(s.name, c) for s in TINY_SHAPES.values()
+                                                             for c in CONTENDERS}
+    for run in runs:
+        if "skipped" in run:  # only a stated reason is acceptable, never a missing figure
+            assert run["skipped"], run
+            continue
+        assert 0 < run["prefill_tok_s"] < 1e6 and 0 < run["decode_tok_s"] < 1e6, run
+        assert 2 <= run["tokens"] <= 3 and len(run["token_ids"]) == run["tokens"] + 1
+        assert run["ssd_bytes_per_token"] is None or run["ssd_bytes_per_token"] >= 0
+        if run["contender"].startswith("storaged"):
+            assert 0 <= run["hit_rate"] <= 1 and run["decode_hits"] + run["decode_misses"] > 0
+    by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if "token_ids" in r}
+    for shape in TINY_SHAPES.values():  # same weights, same greedy tokens (float32 on CPU)
+        reference = by_key[(shape.name, "gguf_mmap", 1.0)]["token_ids"]
+        for contender in ("storaged", "storaged_serial", "resident"):
+            got = by_key[(shape.name, contender, 1.0)]["token_ids"]
+            common = min(len(got), len(reference))  # a run may stop a token early at its deadline
+            assert got[:common] == reference[:common], contender
+    assert [r for r in runs if r["contender"] == "resident" and r["budget_fraction"] == 1.0][0].get("tokens")
+    markdown = (out / "results.md").read_text()
+    assert "| shape | contender |" in markdown and markdown.count("| Qwen3-30B-A3B-like (tiny) |") == 9
+    assert any("host RAM" in s for s in results["statements"])
+
+
+def test_gguf_mmap_source_returns_the_pack_objects(disk_dir):
+    import torch
+
+    from bench.e2e.gguf_mmap_source import GGUFMmapSource
+    from inference.experts import LocalPackSource
+    from packtools.bundle import open_bundle
+
+    model = prepare_model(TINY_SHAPES["deepseek"], 3, disk_dir, with_bf16_checkpoint=False)
+    with open_bundle(model.bundle_dir) as bundle:
+        naive, local = GGUFMmapSource(model.gguf_path, bundle, "cpu"), LocalPackSource(bundle, "cpu")
+        for layer in bundle.pack.layers:
+            assert naive.layout(layer) == local.layout(layer)
+            for got, want in zip(naive.acquire(layer, [7, 0, 3]), local.acquire(layer, [7, 0, 3]), strict=True):
+                size = bundle.pack.entry(layer, 0).size
+                assert torch.equal(got[:size], want[:size])
+        naive.close()
+
+
+@pytest.mark.parametrize(("key", "free_gb", "seconds", "bf16", "layers", "reason"), [
+    ("qwen3", 60, 100, True, 25, "free disk"),  # 1.89 GB a layer with its bf16 copy
+    ("qwen3", 60, 20, True, 5, "preparation time"),
+    ("qwen3", 60, 1000, False, 48, "the layer cap"),
+    ("qwen3", 10, 1000, False, 11, "free disk"),
+    ("deepseek", 60, 30, False, 3, "preparation time"),  # 6.85 GB a MoE layer, plus the dense first layer
+])
+def test_plan_layers(key, free_gb, seconds, bf16, layers, reason):
+    plan = plan_layers(FULL_SHAPES[key], free_bytes=int(free_gb * 1e9), seconds=seconds, write_bytes_per_s=0.5e9,
+                       with_bf16_checkpoint=bf16, max_layers=48)
+    assert (plan.layers, plan.reason) == (layers, reason)
+
+
+def test_plan_layers_refuses_when_nothing_fits():
+    with pytest.raises(ShapeError, match="DeepSeek-V4-Flash-like"):
+        plan_layers(FULL_SHAPES["deepseek"], free_bytes=10**9, seconds=100, write_bytes_per_s=0.5e9,
+                    with_bf16_checkpoint=True, max_layers=48)
+
+
+def test_run_all_script_is_valid_bash():
+    done = subprocess.run(["bash", "-n", str(REPO / "bench" / "run_all.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
