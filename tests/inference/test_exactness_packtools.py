@@ -47,6 +47,8 @@ def test_hf_checkpoint_bundle_matches_from_pretrained(arch, checkpoint_dtype, tm
 
 GGUF_CASES = [
     ("qwen3_moe", "Q8_0", {}),
+    ("qwen2_moe", "Q4_0", {}),
+    ("olmoe", "Q5_K", WIDE),
     ("mixtral", "Q4_K", WIDE),
     ("deepseek_v3", "Q6_K", WIDE),
     ("kimi_linear", "Q8_0", {}),
