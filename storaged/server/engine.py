@@ -204,6 +204,10 @@ class StorageEngine:
             self._fail(load, ObjectDataLoss(str(exc)))
         except asyncio.CancelledError:
             self._fail(load, ObjectReadFailed(f"load of {key} cancelled: storaged is stopping"))
+            # A worker thread may still be writing into the buffer, or a device copy reading
+            # from it: never hand it to another load. Loads are cancelled only at shutdown,
+            # when the whole pool is freed anyway.
+            borrowed = None
             raise
         except Exception as exc:  # noqa: BLE001 - any failed load must fail its waiters, not hang them
             self._fail(load, ObjectReadFailed(f"load of {key} failed: {exc}"))
