@@ -134,6 +134,36 @@ class Arena(abc.ABC):
         self.close()
 
 
+ARENA_PREFIX = "expertpack-arena-"
+
+
+def remove_stale_arenas(directory: str) -> list[str]:
+    """Unlink arena files whose creating daemon is gone (killed before it could unlink them).
+
+    The file name carries the creator's pid; a pid that no longer exists cannot be using it.
+    A pid reused by an unrelated process keeps its file until that process exits: harmless.
+    """
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        pid_text = name[len(ARENA_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass  # alive, owned by someone else
+    return removed
+
+
 class CpuArena(Arena):
     """A file under /dev/shm, mmap'd shared; clients mmap the same file read-only.
 
@@ -146,7 +176,8 @@ class CpuArena(Arena):
         super().__init__(slot_count, slot_bytes)
         if mode not in SHM_MODES:
             raise ValueError(f"shm arena mode {oct(mode)} is not one of {[oct(m) for m in SHM_MODES]}")
-        self.path = os.path.join(directory, f"expertpack-arena-{os.getpid()}-{secrets.token_hex(8)}")
+        remove_stale_arenas(directory)
+        self.path = os.path.join(directory, f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         try:
             os.fchmod(fd, mode)  # the umask may have narrowed it

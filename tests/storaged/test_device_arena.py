@@ -211,3 +211,23 @@ def test_cuda_paths_fail_closed_without_cuda():
                                  ipc_handle=b"h" * 64, ref_counter_handle=b"/torch_1", storage_size_bytes=SLOT)
     with pytest.raises(CudaUnavailableError):
         map_arena(descriptor)
+
+
+def test_arena_files_of_dead_daemons_are_removed_at_start(tmp_path):
+    import subprocess
+
+    from storaged.device.arena import ARENA_PREFIX, CpuArena
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{ARENA_PREFIX}{dead.pid}-0123456789abcdef"
+    alive = tmp_path / f"{ARENA_PREFIX}{os.getpid()}-fedcba9876543210"
+    unrelated = tmp_path / "other-file"
+    for path in (stale, alive, unrelated):
+        path.write_bytes(b"x")
+    arena = CpuArena(2, 4096, directory=str(tmp_path))
+    try:
+        assert not stale.exists()
+        assert alive.exists() and unrelated.exists()
+    finally:
+        arena.close()
