@@ -1,0 +1,270 @@
+"""Regenerate tests/golden/llamacpp: tiny MoE GGUFs made and run by llama.cpp, an independent reference.
+
+Steps (each its own subcommand; `all` runs them in order):
+  fetch     pip download the llama-cpp-python 0.3.36 sdist (it vendors llama.cpp, its converter
+            convert_hf_to_gguf.py, a newer gguf-py and llama-quantize) and unpack it
+  build     cmake build of libllama (shared, CPU) and llama-quantize
+  deps      pip install --target the converter's extra deps (sentencepiece) and diskcache
+            (llama_cpp's python bindings), outside /work/venv
+  hf        tiny random HF checkpoints (packtools.synth) + the synthetic byte-level BPE tokenizer
+  convert   llama.cpp's own convert_hf_to_gguf.py --outtype f32, with its vendored gguf-py
+  quantize  llama-quantize to the K-quant / MXFP4 cases
+  run       llama.cpp (llama_cpp python bindings over the built libllama) evaluates a fixed prompt
+            of token ids, then 32 greedy steps; writes the tokens and the logits of every step
+
+Usage: /work/venv/bin/python scripts/llamacpp_golden.py all [--work /var/tmp/llamacpp]
+Then: /work/venv/bin/python -m pytest tests/inference/test_llamacpp_golden.py -s -q  (results table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "tests" / "golden" / "llamacpp"
+SDIST_VERSION = "0.3.36"
+NEW_TOKENS = 32
+PROMPT = [1, 17, 305, 88, 421, 42, 260, 133, 77, 499, 12, 301]  # fixed token ids, vocab 512
+NARROW = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4}  # F32 and MXFP4 cases
+WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quants: 256-element rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    arch: str
+    quant: str  # "F32" (converter output as is) or a llama-quantize ftype name
+    sizes: dict
+    overrides: dict = dataclasses.field(default_factory=dict)  # config attributes of the random model
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch}-{self.quant}"
+
+    @property
+    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width), shared by its quantizations
+        return f"{self.arch}-{'wide' if self.sizes == WIDE else 'narrow'}"
+
+
+# transformers' DeepseekV3Config does not serialize scoring_func/topk_method; DeepSeek-V3's own
+# config.json has them, and without scoring_func the converter writes no expert_gating_func, which
+# llama.cpp then reads as softmax (DeepSeek-V2 routing).
+def _deepseek_v3_keys(config: dict) -> dict:
+    return {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _kimi_linear_keys(config: dict) -> dict:
+    """Moonshot's own config.json spellings, which the converter reads (transformers renamed them)."""
+    layer_numbers = range(1, config["num_hidden_layers"] + 1)  # Moonshot counts layers from 1
+    kinds = dict(zip(layer_numbers, config["layer_types"]))
+    linear = {**config["linear_attn_config"],
+              "full_attn_layers": [n for n, kind in kinds.items() if kind == "full_attention"],
+              "kda_layers": [n for n, kind in kinds.items() if kind == "linear_attention"]}
+    return {"linear_attn_config": linear, "first_k_dense_replace": 0, "moe_router_activation_func": "sigmoid"}
+
+
+CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "kimi_linear": _kimi_linear_keys}
+# llama.cpp's OLMoE graph sizes attn_k_norm as n_embd, i.e. assumes n_kv_heads == n_heads (true of
+# OLMoE-1B-7B); transformers sizes it head_dim * n_kv_heads.
+OLMOE_MHA = {"num_key_value_heads": 4}
+
+CASES = [
+    Case("qwen3_moe", "F32", NARROW),
+    Case("qwen2_moe", "F32", NARROW),
+    Case("mixtral", "F32", NARROW),
+    Case("olmoe", "F32", NARROW, OLMOE_MHA),
+    Case("deepseek_v3", "F32", NARROW),
+    Case("gpt_oss", "F32", NARROW),
+    Case("kimi_linear", "F32", NARROW),
+    Case("gpt_oss", "MXFP4_MOE", NARROW),
+    Case("qwen3_moe", "Q4_K_S", WIDE),
+    Case("mixtral", "Q3_K_S", WIDE),
+    Case("deepseek_v3", "Q2_K", WIDE),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    work: Path
+
+    @property
+    def sdist(self) -> Path:
+        return self.work / f"llama_cpp_python-{SDIST_VERSION}"
+
+    @property
+    def llama_cpp(self) -> Path:
+        return self.sdist / "vendor" / "llama.cpp"
+
+    @property
+    def build(self) -> Path:
+        return self.work / "build"
+
+    @property
+    def pydeps(self) -> Path:
+        return self.work / "pydeps"
+
+    def hf(self, case: Case) -> Path:
+        return self.work / "hf" / case.checkpoint
+
+    def f32_gguf(self, case: Case) -> Path:
+        return self.work / "gguf" / f"{case.checkpoint}-F32.gguf"
+
+
+def _run(cmd: list[str], **kwargs) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def fetch(paths: Paths) -> None:
+    paths.work.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+          f"llama-cpp-python=={SDIST_VERSION}", "-d", paths.work])
+    _run(["tar", "xzf", paths.work / f"llama_cpp_python-{SDIST_VERSION}.tar.gz", "-C", paths.work])
+
+
+def build(paths: Paths) -> None:
+    _run(["cmake", "-S", paths.llama_cpp, "-B", paths.build, "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+          "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF"])
+    _run(["cmake", "--build", paths.build, "-j2", "--target", "llama", "llama-quantize"])
+
+
+def deps(paths: Paths) -> None:
+    _run([sys.executable, "-m", "pip", "install", "--target", paths.pydeps, "sentencepiece", "diskcache"])
+
+
+def synthesize_hf(paths: Paths) -> None:
+    if str(REPO) not in sys.path:  # run as a script from anywhere: packtools lives in the repo
+        sys.path.insert(0, str(REPO))
+    from packtools.synth.gguf_models import tiny_random_model
+    from packtools.tokenizer_synth import write_tokenizer
+
+    for case in {c.checkpoint: c for c in CASES}.values():
+        out = paths.hf(case)
+        shutil.rmtree(out, ignore_errors=True)
+        model = tiny_random_model(case.arch, seed=5, overrides=case.overrides or None, **case.sizes)
+        model.save_pretrained(out)
+        write_tokenizer(out, model.config.vocab_size)
+        config = json.loads((out / "config.json").read_text())
+        extra = CONVERTER_CONFIG_KEYS.get(case.arch, lambda _: {})(config)
+        (out / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
+
+
+def _vendored_env(paths: Paths) -> dict:
+    # the vendored gguf-py must shadow /work/venv's gguf 0.19.0; PYTHONPATH precedes site-packages
+    path = [paths.llama_cpp, paths.llama_cpp / "gguf-py", paths.sdist, paths.pydeps]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path)), "LLAMA_CPP_LIB_PATH": str(paths.build / "bin")}
+
+
+def convert(paths: Paths) -> None:
+    for case in {c.checkpoint: c for c in CASES}.values():
+        paths.f32_gguf(case).parent.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, __file__, "_convert", paths.llama_cpp, paths.hf(case), "--outfile",
+              paths.f32_gguf(case), "--outtype", "f32"], env=_vendored_env(paths))
+
+
+def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
+    """convert_hf_to_gguf.py, told that the synthetic tokenizer's pre-tokenizer is GPT-2's.
+
+    The converter identifies BPE pre-tokenizers by a hash of their output on a fixed text, a hash
+    that depends on the vocabulary; a freshly trained vocabulary is never in its table. Ours is
+    ByteLevel(add_prefix_space=False) with the GPT-2 split regex, i.e. exactly "gpt-2". Only an
+    unrecognised hash falls back; a recognised one keeps the converter's answer.
+    """
+    import runpy
+
+    import conversion.base as base  # noqa: PLC0415  (only importable with the vendored paths)
+
+    recognise = base.TextModel.get_vocab_base_pre
+
+    def recognise_or_gpt2(self, tokenizer) -> str:
+        try:
+            return recognise(self, tokenizer)
+        except NotImplementedError:
+            return "gpt-2"
+
+    base.TextModel.get_vocab_base_pre = recognise_or_gpt2
+    script = str(Path(llama_cpp) / "convert_hf_to_gguf.py")
+    sys.argv = [script, *converter_args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def golden_gguf(case: Case) -> Path:
+    return GOLDEN / f"{case.name}.gguf"
+
+
+def quantize(paths: Paths) -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for case in CASES:
+        if case.quant == "F32":
+            shutil.copyfile(paths.f32_gguf(case), golden_gguf(case))
+        else:
+            _run([paths.build / "bin" / "llama-quantize", paths.f32_gguf(case), golden_gguf(case), case.quant, "1"],
+                 env=_vendored_env(paths), stdout=subprocess.DEVNULL)
+
+
+def run_llama(paths: Paths) -> None:
+    for case in CASES:
+        _run([sys.executable, __file__, "_run", golden_gguf(case), GOLDEN / f"{case.name}.json"], env=_vendored_env(paths))
+
+
+def _run_entry(gguf_path: str, out_json: str) -> None:
+    """Prompt, then NEW_TOKENS greedy steps; logits row i predicts generated token i."""
+    import numpy as np
+    from llama_cpp import Llama, __version__
+
+    f32 = 0  # GGML_TYPE_F32: the default F16 KV cache alone moves logits by ~5e-4 relative
+    llm = Llama(gguf_path, logits_all=True, n_ctx=128, n_batch=128, n_threads=1, type_k=f32, type_v=f32,
+                flash_attn=False, verbose=False)
+    llm.eval(PROMPT)
+    tokens, rows = [], []
+    for _ in range(NEW_TOKENS):
+        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)  # [vocab]
+        rows.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        llm.eval([tokens[-1]])
+    out = Path(out_json)
+    np.save(out.with_suffix(".logits.npy"), np.stack(rows))  # [NEW_TOKENS, vocab] float32
+    record = {"gguf": Path(gguf_path).name, "gguf_sha256": hashlib.sha256(Path(gguf_path).read_bytes()).hexdigest(),
+              "llama_cpp_python": __version__, "llama_cpp_commit": _llama_cpp_commit(),
+              "prompt": PROMPT, "tokens": tokens, "logits": out.with_suffix(".logits.npy").name}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _llama_cpp_commit() -> str:
+    # libllama exposes no commit; the build's generated build-info.cpp records it
+    build_info = Path(os.environ["LLAMA_CPP_LIB_PATH"]).parent / "common" / "build-info.cpp"
+    for line in build_info.read_text().splitlines() if build_info.exists() else []:
+        if "LLAMA_COMMIT =" in line:
+            return line.split('"')[1]
+    return "unknown"
+
+
+STEPS = {"fetch": fetch, "build": build, "deps": deps, "hf": synthesize_hf, "convert": convert,
+         "quantize": quantize, "run": run_llama}
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "_convert":
+        return _convert_entry(argv[1], argv[2:])
+    if argv and argv[0] == "_run":
+        return _run_entry(argv[1], argv[2])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=[*STEPS, "all"])
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/llamacpp"), help="build and scratch directory")
+    args = parser.parse_args(argv)
+    paths = Paths(args.work)
+    for name, step in STEPS.items():
+        if args.step in (name, "all"):
+            step(paths)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
