@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from test_engine_fixtures import loaded, one_thread, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
+from test_engine_fixtures import loaded, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
 from test_server_fixtures import REPO
 
 from inference.cli import build_parser, main

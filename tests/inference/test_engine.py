@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_fixtures import engine, loaded, one_thread, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
+from test_engine_fixtures import engine, loaded, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
 
 from inference.engine import (
     Finished,

@@ -36,15 +36,6 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, arch: str = "qwen3_moe
     return bundle
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls: one thread is far faster than two contending on a loaded 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def qwen_bundle(tmp_path_factory) -> Path:
     return tiny_bundle(tmp_path_factory, "qwen3_moe")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_engine_fixtures import FlakyDaemonSource, engine, loaded, one_thread, qwen_bundle  # noqa: F401
+from test_engine_fixtures import FlakyDaemonSource, engine, loaded, qwen_bundle  # noqa: F401
 
 from inference.engine import (
     Engine,

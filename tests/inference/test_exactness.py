@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers
 from test_model_fixtures import GGUF_GPT_OSS_ROLES, PackLayout, compare, default_layout, make_case
-from test_model_fixtures import one_thread  # noqa: F401  (the fixture)
 from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_model_fixtures import compare
-from test_model_fixtures import one_thread  # noqa: F401  (the fixture)
 from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource

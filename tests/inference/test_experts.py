@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_model_fixtures import one_thread  # noqa: F401  (the fixture)
 from test_model_fixtures import GGUF_GPT_OSS_ROLES, PackLayout, default_layout, make_case
 
 from inference.experts import (

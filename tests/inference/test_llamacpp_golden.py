@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_model_fixtures import one_thread  # noqa: F401  (the fixture)
 from transformers.models.kimi_linear import modeling_kimi_linear
 
 from inference.experts import LocalPackSource

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model_fixtures import one_thread  # noqa: F401  (the fixture)
 from test_model_fixtures import make_case
 
 from inference.experts import IMPLEMENTATION_NAME, LocalPackSource, experts_modules, routed_parameter_names

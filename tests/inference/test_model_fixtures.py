@@ -4,7 +4,7 @@ Independent of packtools' build: the pack is written with PackWriter from the mo
 parameters, each role in a chosen element type and layout. Quantized roles are quantized with
 packtools.quants and the reference model's expert parameters are then overwritten with gguf-py's
 dequantization of those bytes, so the reference holds exactly the weights the pack encodes.
-Other test modules import `make_case`, `compare` and the `one_thread` fixture; the tests here
+Other test modules import `make_case` and `compare` (`one_thread` is in conftest.py); the tests here
 check the factory itself.
 """
 
@@ -208,15 +208,6 @@ def write_bundle(model: torch.nn.Module, out_dir: Path, layout: PackLayout, *, t
 
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is far faster than two contending on a loaded 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def prompt(vocab_size: int, length: int = 12, seed: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from aiohttp import web
-from test_engine_fixtures import FlakyDaemonSource, one_thread, qwen_bundle  # noqa: F401  (fixtures)
+from test_engine_fixtures import FlakyDaemonSource, qwen_bundle  # noqa: F401  (fixtures)
 from test_server_fixtures import get, metric_values, post
 
 from inference.engine import Engine, EngineMetrics

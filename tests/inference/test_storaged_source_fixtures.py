@@ -142,15 +142,6 @@ class StoragedDaemon:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls: one thread is far faster than two contending on a loaded 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def cases_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "storaged-source-cases"

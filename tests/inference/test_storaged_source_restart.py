@@ -11,7 +11,6 @@ from test_storaged_source_fixtures import (
     PROMPT,
     StoragedDaemon,
     greedy,
-    one_thread,  # noqa: F401  (the fixture)
     qwen_case,  # noqa: F401  (the fixture)
     cases_dir,  # noqa: F401  (the fixture)
 )

@@ -81,7 +81,29 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30) -> dict:
         return json.loads(response.read())
 
 
-class PrometheusServer:
+class LoggedProcess:
+    """A child process whose output goes to self.log; stop() terminates it, then kills it."""
+
+    process: subprocess.Popen
+    log: object
+    stop_grace_seconds = 15.0
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(self.stop_grace_seconds)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class PrometheusServer(LoggedProcess):
     """Debian's prometheus on loopback with a config derived from ops/prometheus/prometheus.yml:
     the same jobs and rules, our targets, and a 1 s scrape and evaluation interval."""
 
@@ -130,23 +152,12 @@ class PrometheusServer:
         groups = http_json(self.url + "/api/v1/rules")["data"]["groups"]
         return [rule for group in groups for rule in group["rules"]]
 
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
 
 
-class InferenceServe:
+class InferenceServe(LoggedProcess):
     """`python -m inference serve --storaged SOCKET` on a fixed loopback port."""
+
+    stop_grace_seconds = 30.0
 
     def __init__(self, bundle: Path, storaged_socket: Path, port: int, log: Path):
         self.url = f"http://127.0.0.1:{port}"
@@ -175,16 +186,3 @@ class InferenceServe:
             "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0})
 
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()

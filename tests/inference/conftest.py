@@ -1,0 +1,13 @@
+"""Fixtures shared by every inference test module."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is far faster than two contending on a loaded 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
