@@ -48,14 +48,11 @@ def open_source(path: str | Path) -> CheckpointSource:
     raise SourceError(f"{src}: no such file or directory")
 
 
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk")
+def top_k_of(config: dict) -> int:
+    """Experts per token, read the way the architecture registry reads it (aliases resolved)."""
+    from packtools.arch import config_from_dict, get_arch
 
-
-def top_k_of(config: dict) -> int | None:
-    for key in TOP_K_KEYS:
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
+    return get_arch(config.get("model_type")).top_k(config_from_dict(config))
 
 
 @dataclasses.dataclass(frozen=True)
