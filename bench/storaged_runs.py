@@ -27,14 +27,14 @@ class StoragedProcess:
     """
 
     def __init__(self, bundle: Path, *, model: str, device: str, vram_bytes: int, io_parallelism: int,
-                 staging_buffers: int, log_path: Path, start_seconds: float = 180.0):
+                 staging_buffers: int, log_path: Path, host_bytes: int = 0, start_seconds: float = 180.0):
         from storaged.client import StorageClient, Unavailable
 
         self.socket_dir = Path(tempfile.mkdtemp(prefix="spb-", dir="/tmp"))  # short: sun_path limit
         self.log_path = log_path
         socket = self.socket_dir / "s.sock"
         command = [sys.executable, "-m", "storaged", "--model", f"{model}={bundle}", "--socket", str(socket),
-                   "--device", device, "--vram-cache-bytes", str(vram_bytes), "--host-cache-bytes", "0",
+                   "--device", device, "--vram-cache-bytes", str(vram_bytes), "--host-cache-bytes", str(host_bytes),
                    "--io-parallelism", str(io_parallelism), "--staging-buffers", str(staging_buffers),
                    "--direct-io", "--verify-checksums", "--metrics-address", "off"]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -1,8 +1,10 @@
 """The five contenders, each built for one VRAM budget inside the benchmark's child process:
-  resident          the model fully resident in transformers (dequantized to the run dtype)
+  resident          the model fully resident in transformers (experts dequantized to the run dtype once,
+                    computed by transformers' own experts forward)
   accelerate        HF accelerate disk offload: from_pretrained(device_map, max_memory, offload_folder)
   gguf_mmap         the naive on-demand loader, bench.e2e.gguf_mmap_source (the "native GGUF path")
-  storaged          storaged (O_DIRECT, io_parallelism 16) serving the bundle through StoragedExpertSource
+  storaged          storaged (O_DIRECT, io_parallelism 16, a host-RAM tier of the same bytes as the VRAM
+                    budget, inside the same RAM limit as every contender) through StoragedExpertSource
   storaged_serial   storaged with io_parallelism 1 and no host tier: the published SGLang design's
                     serial miss path (no prefetch: the client issues none in either mode yet)
 A built contender is the model plus what the measurement needs from it (processes whose reads
@@ -21,6 +23,7 @@ from bench.e2e.prepare import PreparedModel
 CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial")
 STORAGED_MODEL = "bench"
 IO_PARALLELISM = {"storaged": 16, "storaged_serial": 1}
+HOST_TIER = {"storaged": True, "storaged_serial": False}  # host tier bytes = the VRAM budget's
 
 
 class ContenderSkipped(Exception):
@@ -51,8 +54,7 @@ def budget_bytes(model: PreparedModel, fraction: float) -> int:
 
 def _resident(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
               workdir: Path) -> BuiltContender:
-    from packtools.gguf.reference import load_reference_model
-    from packtools.gguf.source import GGUFSource
+    from bench.e2e.resident import load_resident
 
     if fraction < 1.0:
         raise ContenderSkipped("fully resident only runs at 100% (it holds every expert)")
@@ -62,10 +64,10 @@ def _resident(model: PreparedModel, fraction: float, device: torch.device, dtype
         if expert_bytes > 0.85 * free:
             raise ContenderSkipped(f"dequantized experts need {expert_bytes / 2**30:.1f} GiB, "
                                    f"{free / 2**30:.1f} GiB of VRAM is free")
-    with GGUFSource(model.gguf_path) as source:
-        resident = load_reference_model(source, dtype=dtype).to(device)
-    return BuiltContender(resident, ["self"], [f"experts dequantized to {dtype} ({expert_bytes / 2**30:.2f} GiB)"],
-                          cache_stats=lambda: None)
+    loaded, implementation = load_resident(model.bundle_dir, device=device, dtype=dtype)
+    return BuiltContender(loaded.model, ["self"],
+                          [f"experts dequantized to {dtype} ({expert_bytes / 2**30:.2f} GiB), transformers' "
+                           f"{implementation!r} experts forward"], closers=[loaded.close])
 
 
 def _accelerate(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
@@ -105,7 +107,7 @@ def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtyp
 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int) -> BuiltContender:
+              *, io_parallelism: int, host_tier: bool) -> BuiltContender:
     from bench.storaged_runs import StoragedProcess
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
@@ -116,12 +118,15 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
     budget = budget_bytes(model, fraction)
     # one layer's demand of a prefill must fit pinned at once (an acquire never evicts pinned slots)
     floor = model.shape.experts * stride
-    notes = [f"io_parallelism {io_parallelism}, host tier off, O_DIRECT, checksums on"]
+    # the host tier holds what the RAM limit (overhead + budget bytes) leaves room for: the budget
+    # itself, and never at 100% (every expert is already in VRAM there)
+    host_bytes = budget if host_tier and fraction < 1.0 and device.type == "cuda" else 0
+    notes = [f"io_parallelism {io_parallelism}, host tier {host_bytes} bytes, O_DIRECT, checksums on"]
     if budget < floor:
         notes.append(f"arena raised from {budget} to {floor} bytes: one layer's experts must fit pinned")
     daemon_device = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
     daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device=daemon_device,
-                             vram_bytes=max(budget, floor), io_parallelism=io_parallelism,
+                             vram_bytes=max(budget, floor), io_parallelism=io_parallelism, host_bytes=host_bytes,
                              staging_buffers=max(io_parallelism, 2),
                              log_path=workdir / f"storaged-{io_parallelism}-{fraction}.log")
     try:
@@ -144,7 +149,8 @@ def build_contender(name: str, model: PreparedModel, fraction: float, device: to
                     workdir: Path) -> BuiltContender:
     """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped."""
     if name in IO_PARALLELISM:
-        return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name])
+        return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
+                         host_tier=HOST_TIER[name])
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}
     if name not in builders:
         raise ValueError(f"unknown contender {name!r}; known: {CONTENDERS}")
