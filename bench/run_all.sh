@@ -21,11 +21,18 @@ SITE=/tmp/site
 failed=0
 
 started=$SECONDS
+{ date -u +%FT%TZ; uname -a; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  nproc; free -g | sed -n 2p; df -h "$(dirname "$WORKDIR")" | tail -1
+  git rev-parse HEAD 2>/dev/null || true; } > "$OUT/machine.txt"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         2>&1 | tee "$OUT/install.log" || failed=1
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import sys, torch, transformers, grpc, google.protobuf as pb, gguf
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__,
+      'gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?')" >> "$OUT/machine.txt" 2>&1
 echo "=== install: $((SECONDS - started)) s"
 
 # (2) machine limits + storaged alone: a 4 GiB pack of 13 MiB objects, 3 s per throughput run
@@ -47,6 +54,7 @@ else
         ${RUN_ALL_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
     ((PIPESTATUS[0] != 0)) && failed=1
 fi
-cp "$WORKDIR"/runs/*.log "$OUT/" 2>/dev/null
+# one archive: the device tool brings back at most 8 files
+tar czf "$OUT/run-logs.tgz" -C "$WORKDIR" runs 2>/dev/null
 echo "=== total $SECONDS s; results in $OUT/results.json and $OUT/results.md"
 exit $failed

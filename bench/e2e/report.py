@@ -56,10 +56,37 @@ def markdown(results: dict) -> str:
                          f"{_number(run.get('tokens'))} | {_number(run.get('hit_rate'), 3)} | "
                          f"{_megabytes(run.get('ssd_bytes_per_token'))} | {_number(run.get('io_efficiency'), 3)} | "
                          f"{notes.replace('|', '/')} |")
+    lines += ratio_lines(e2e.get("runs", []))
     for title, key in (("Statements", "statements"), ("Warnings", "warnings"), ("Errors", "errors")):
         if results.get(key):
             lines += ["", f"## {title}", ""] + [f"- {line}" for line in results[key]]
     return "\n".join(lines) + "\n"
+
+
+BASELINES = ("storaged_serial", "gguf_mmap", "accelerate")
+
+
+def ratio_lines(runs: list[dict]) -> list[str]:
+    """storaged's decode tok/s over each baseline's at the same shape and budget, and over the fully
+    resident model's (the upper bound, run at 100% only)."""
+    speed = {(r["shape"], r["contender"], r["budget_fraction"]): r["decode_tok_s"]
+             for r in runs if r.get("decode_tok_s")}
+    resident = {shape: tok_s for (shape, name, _), tok_s in speed.items() if name == "resident"}
+    rows = []
+    for (shape, name, fraction), tok_s in sorted(speed.items()):
+        if name != "storaged":
+            continue
+        cells = [_ratio(tok_s, speed.get((shape, base, fraction))) for base in BASELINES]
+        rows.append(f"| {shape} | {fraction:.0%} | {' | '.join(cells)} | {_ratio(tok_s, resident.get(shape))} |")
+    if not rows:
+        return []
+    return ["", "## Decode speed ratios (storaged ÷ contender, same shape and budget)", "",
+            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ resident (100%) |",
+            "|---|---|---|---|---|---|", *rows]
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return "–" if not base else f"{value / base:.2f}×"
 
 
 def write_results(results: dict, out_dir: Path) -> tuple[Path, Path]:
