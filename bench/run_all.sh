@@ -8,6 +8,7 @@
 # Writes $OUT/results.json and $OUT/results.md (plus logs). Exit status non-zero if a step failed.
 #
 #   OUT=/some/dir bench/run_all.sh            RUN_ALL_BUDGET_S=540 caps the total
+#   RUN_ALL_E2E_ARGS="--shapes qwen3 --layers 16" RUN_ALL_MACHINE_JSON=earlier/storaged_bench.json bench/run_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -35,13 +36,19 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
       'gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?')" >> "$OUT/machine.txt" 2>&1
 echo "=== install: $((SECONDS - started)) s"
 
-# (2) machine limits + storaged alone: a 4 GiB pack of 13 MiB objects, 3 s per throughput run
-limit=$((MACHINE_CAP_S < BUDGET_S - SECONDS ? MACHINE_CAP_S : BUDGET_S - SECONDS))
-timeout --kill-after=10 "$limit" python3 bench/storaged_bench.py --device "$DEVICE" --pack-gib "${RUN_ALL_PACK_GIB:-4}" \
-    --seconds "${RUN_ALL_RAW_SECONDS:-3}" --hit-acquires 1000 --json "$OUT/storaged_bench.json" \
-    2>&1 | tee "$OUT/storaged_bench.log"
-((PIPESTATUS[0] != 0)) && failed=1
-echo "=== machine limits and storaged alone: done at $SECONDS s"
+# (2) machine limits + storaged alone: a 4 GiB pack of 13 MiB objects, 3 s per throughput run;
+#     RUN_ALL_MACHINE_JSON=file reuses an earlier run's figures (one shape per call, same machine kind)
+if [[ -n "${RUN_ALL_MACHINE_JSON:-}" ]]; then
+    cp "$RUN_ALL_MACHINE_JSON" "$OUT/storaged_bench.json"
+    echo "=== machine limits and storaged alone: reused $RUN_ALL_MACHINE_JSON"
+else
+    limit=$((MACHINE_CAP_S < BUDGET_S - SECONDS ? MACHINE_CAP_S : BUDGET_S - SECONDS))
+    timeout --kill-after=10 "$limit" python3 bench/storaged_bench.py --device "$DEVICE" --pack-gib "${RUN_ALL_PACK_GIB:-4}" \
+        --seconds "${RUN_ALL_RAW_SECONDS:-3}" --hit-acquires 1000 --json "$OUT/storaged_bench.json" \
+        2>&1 | tee "$OUT/storaged_bench.log"
+    ((PIPESTATUS[0] != 0)) && failed=1
+    echo "=== machine limits and storaged alone: done at $SECONDS s"
+fi
 
 # (3) the e2e matrix in the rest, leaving 30 s for shutdown and the report
 e2e_seconds=$((BUDGET_S - SECONDS - 30))

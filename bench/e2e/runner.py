@@ -21,7 +21,7 @@ from bench.e2e.measure import CgroupUnavailable, MemoryCgroup, ReadCounter, bloc
 from bench.e2e.prepare import PreparedModel
 
 REPO = Path(__file__).resolve().parents[2]
-KILL_GRACE_SECONDS = 60  # beyond the run's own deadline: model loading, daemon shutdown
+KILL_GRACE_SECONDS = 20  # beyond the run's own deadline: daemon shutdown, the result file
 
 
 def ram_limit_bytes(overhead_bytes: int, budget: int) -> int:
