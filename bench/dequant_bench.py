@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from inference.dequant import dequantize_many, triton_backend  # noqa: E402
-from packtools.pack.constants import SUPPORTED_TYPES, ElementType, tensor_nbytes  # noqa: E402
+from packtools.pack.constants import SELF_CONTAINED_TYPES, ElementType, tensor_nbytes  # noqa: E402
 from packtools.quants import random_blocks  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu", file=sys.stderr)
         return 2
-    names = sorted(t.name for t in SUPPORTED_TYPES) if args.types == "all" else args.types.split(",")
+    names = sorted(t.name for t in SELF_CONTAINED_TYPES) if args.types == "all" else args.types.split(",")
     qtypes = [ElementType[name.strip()] for name in names]
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
           f"{args.experts} experts x gate/up [{args.rows}, {args.cols}] + down "

@@ -39,6 +39,7 @@ def summarize(bundle: Bundle) -> dict:
         "dense_bytes": (bundle.path / DENSE).stat().st_size,
         "dense_tensors": bundle.manifest["dense"].get("tensors"),
         "tokenizer": bundle.manifest.get("tokenizer", {}).get("origin"),
+        "pack_format": f"{pack.header.version_major}.{pack.header.version_minor}",
     }
 
 
@@ -66,6 +67,7 @@ def format_summary(s: dict) -> str:
         f"experts total {human_bytes(s['expert_bytes_total'])} in a {human_bytes(s['pack_file_bytes'])} pack",
         f"dense         {human_bytes(s['dense_bytes'])} in {s['dense_tensors']} tensors",
         f"tokenizer     {s['tokenizer']}",
+        f"pack format   {s['pack_format']}",
     ]
     return "\n".join(lines)
 

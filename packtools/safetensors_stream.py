@@ -37,7 +37,10 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),  # UE8M0 block scales (DeepSeek-V4 checkpoints)
 }
+# "F4" (torch.float4_e2m1fn_x2, two values a byte) has no whole bytes per element, so it is not
+# here: only routed expert data uses it, and those are copied as byte ranges (arch.hf_experts).
 _NAME_OF_TORCH_DTYPE = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
 
 

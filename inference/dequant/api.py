@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from inference.dequant import torch_float, torch_kquants, torch_legacy
+from inference.dequant import torch_float, torch_kquants, torch_legacy, torch_scaled
 from inference.dequant.errors import (
     BackendUnavailableError,
     ByteLengthError,
@@ -24,7 +24,7 @@ from inference.dequant.errors import (
     ShapeError,
     UnsupportedTypeError,
 )
-from packtools.pack.constants import SUPPORTED_TYPES, ElementType, block_shape
+from packtools.pack.constants import SCALED_WEIGHT_TYPES, SUPPORTED_TYPES, ElementType, block_shape
 
 Backend = Literal["auto", "torch", "triton"]
 BlockDequantizer = Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, type_size] -> f32 [n, qk]
@@ -44,8 +44,10 @@ TORCH_DEQUANTIZERS: dict[ElementType, BlockDequantizer] = {
     ElementType.Q4_K: torch_kquants.dequantize_q4_k,
     ElementType.Q5_K: torch_kquants.dequantize_q5_k,
     ElementType.Q6_K: torch_kquants.dequantize_q6_k,
+    ElementType.UE8M0: torch_scaled.dequantize_ue8m0,  # block scales on their own, as float values
 }
-assert set(TORCH_DEQUANTIZERS) == set(SUPPORTED_TYPES)
+# every type a pack may hold, except weights that mean nothing without their scales (scaled.py)
+assert set(TORCH_DEQUANTIZERS) == set(SUPPORTED_TYPES) - set(SCALED_WEIGHT_TYPES)
 
 _triton_module: ModuleType | None = None
 _triton_import_error: BaseException | None = None
@@ -72,7 +74,7 @@ def _type_and_shape(element_type: int, dims: tuple[int, ...]) -> tuple[ElementTy
     try:
         qtype = ElementType(element_type)
     except ValueError:
-        raise UnsupportedTypeError(element_type, "not a GGML type id") from None
+        raise UnsupportedTypeError(element_type, "not an element type id of the pack format") from None
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedTypeError(qtype, "not a type an expert pack may hold")
     if not dims:
@@ -89,12 +91,19 @@ def _type_and_shape(element_type: int, dims: tuple[int, ...]) -> tuple[ElementTy
     return qtype, dims, nbytes
 
 
-def _check_out_dtype(out_dtype: torch.dtype) -> None:
+def _check_self_contained(qtype: ElementType) -> None:
+    if qtype in SCALED_WEIGHT_TYPES:
+        scale = SCALED_WEIGHT_TYPES[qtype].scale_type.name
+        raise UnsupportedTypeError(qtype, f"its values need their {scale} block scales; "
+                                   "use inference.dequant.dequantize_scaled")
+
+
+def check_out_dtype(out_dtype: torch.dtype) -> None:
     if not out_dtype.is_floating_point:
         raise OutputDtypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
 
 
-def _check_raw(raw: object, what: str) -> torch.Tensor:
+def check_raw(raw: object, what: str) -> torch.Tensor:
     if not isinstance(raw, torch.Tensor):
         raise RawTensorError(f"{what} must be a torch.Tensor, got {type(raw).__name__}")
     if raw.dtype != torch.uint8:
@@ -150,8 +159,9 @@ def dequantize(
     float32 result rounded once (to nearest even). Runs on raw's device and never aliases raw.
     """
     qtype, dims, nbytes = check_type_and_shape(element_type, shape)
-    _check_out_dtype(out_dtype)
-    raw = _check_raw(raw, "raw")
+    check_out_dtype(out_dtype)
+    _check_self_contained(qtype)
+    raw = check_raw(raw, "raw")
     if raw.dim() != 1:
         raise RawTensorError(f"raw must be 1-D bytes, got shape {tuple(raw.shape)}")
     if raw.numel() != nbytes:
@@ -175,27 +185,34 @@ def dequantize_many(
     are stacked first. Returns out_dtype [N, *shape].
     """
     qtype, dims, nbytes = check_type_and_shape(element_type, shape)
-    _check_out_dtype(out_dtype)
-    if isinstance(raws, torch.Tensor):
-        rows = _check_raw(raws, "raws")
-        if rows.dim() != 2:
-            raise RawTensorError(f"raws must be [N, nbytes], got shape {tuple(rows.shape)}")
-        if rows.shape[1] != nbytes:
-            raise ByteLengthError(qtype.name, dims, nbytes, rows.shape[1], "every row of raws")
-        if rows.shape[0] and rows.stride(1) != 1:
-            rows = rows.contiguous()
-    else:
-        if len(raws) == 0:
-            raise RawTensorError("raws is an empty list: nothing says which device to use")
-        for index, raw in enumerate(raws):
-            _check_raw(raw, f"raws[{index}]")
-            if raw.dim() != 1:
-                raise RawTensorError(f"raws[{index}] must be 1-D bytes, got shape {tuple(raw.shape)}")
-            if raw.numel() != nbytes:
-                raise ByteLengthError(qtype.name, dims, nbytes, raw.numel(), f"raws[{index}]")
-            if raw.device != raws[0].device:
-                raise RawTensorError(f"raws[{index}] is on {raw.device}, raws[0] on {raws[0].device}")
-        rows = torch.stack(list(raws))  # uint8 [N, nbytes]
+    check_out_dtype(out_dtype)
+    _check_self_contained(qtype)
+    rows = byte_rows(raws, qtype, dims, nbytes, "raws")
     if rows.shape[0] == 0:
         return torch.empty((0, *dims), dtype=out_dtype, device=rows.device)
     return _dequantize_rows(rows, qtype, dims, out_dtype, backend)
+
+
+def byte_rows(raws: torch.Tensor | Sequence[torch.Tensor], qtype: ElementType, dims: tuple[int, ...],
+              nbytes: int, what: str) -> torch.Tensor:
+    """Validate a batch of raw tensors and return it as uint8 [N, nbytes], each row unit stride."""
+    if isinstance(raws, torch.Tensor):
+        rows = check_raw(raws, what)
+        if rows.dim() != 2:
+            raise RawTensorError(f"{what} must be [N, nbytes], got shape {tuple(rows.shape)}")
+        if rows.shape[1] != nbytes:
+            raise ByteLengthError(qtype.name, dims, nbytes, rows.shape[1], f"every row of {what}")
+        if rows.shape[0] and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        return rows
+    if len(raws) == 0:
+        raise RawTensorError(f"{what} is an empty list: nothing says which device to use")
+    for index, raw in enumerate(raws):
+        check_raw(raw, f"{what}[{index}]")
+        if raw.dim() != 1:
+            raise RawTensorError(f"{what}[{index}] must be 1-D bytes, got shape {tuple(raw.shape)}")
+        if raw.numel() != nbytes:
+            raise ByteLengthError(qtype.name, dims, nbytes, raw.numel(), f"{what}[{index}]")
+        if raw.device != raws[0].device:
+            raise RawTensorError(f"{what}[{index}] is on {raw.device}, {what}[0] on {raws[0].device}")
+    return torch.stack(list(raws))  # uint8 [N, nbytes]

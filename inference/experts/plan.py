@@ -9,7 +9,9 @@ Weights are kept in the pack's orientation and the matmul follows it (`F.linear`
 `x @ W` for in_out, as transformers' eager forwards do), so nothing is transposed per forward.
 Split gate/up roles of the same type in out_in orientation are concatenated byte-wise into the
 fused [2I, H] matrix transformers uses: GGML blocks never cross a row, so the bytes of gate rows
-followed by up rows are exactly the bytes of the concatenated matrix.
+followed by up rows are exactly the bytes of the concatenated matrix. A block-scaled weight
+(F4_E2M1X2 with its UE8M0 scale role) travels with its scales: their rows are concatenated the
+same way, so row r of the fused scales still scales row r of the fused weight.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from inference.experts.errors import ExpertLayoutError
-from inference.experts.role_dequant import dequantize_roles
+from inference.experts.role_dequant import dequantize_roles, dequantize_scaled_roles
 from packtools.pack import RoleEntry
-from packtools.pack.constants import Role
+from packtools.pack.constants import SCALE_ROLES, WEIGHT_ROLE_OF, Role
+from packtools.pack.scales import ScalePairError, check_scale_pairs
 
 ORIENTATIONS = ("out_in", "in_out")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
@@ -36,10 +39,32 @@ class WeightGroup:
     name: str
     roles: tuple[RoleEntry, ...]
     shape: tuple[int, ...]  # per-expert logical shape of the concatenation
+    scales: tuple[RoleEntry | None, ...] = ()  # block-scale role of each of `roles` (None: unscaled)
+
+    def __post_init__(self) -> None:
+        if not self.scales:
+            object.__setattr__(self, "scales", (None,) * len(self.roles))
+        assert len(self.scales) == len(self.roles), (self.name, len(self.scales), len(self.roles))
+
+    @property
+    def scaled(self) -> bool:
+        return self.scales[0] is not None
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Per-expert shape of the concatenated scales (rows follow the weight's rows)."""
+        first = self.scales[0]
+        assert first is not None, self.name
+        return (sum(s.shape[0] for s in self.scales), *first.shape[1:])
 
     @property
     def byte_concatenable(self) -> bool:
-        return len({r.element_type for r in self.roles}) == 1
+        if len({r.element_type for r in self.roles}) != 1:
+            return False
+        if all(s is None for s in self.scales):
+            return True
+        # every role scaled alike: same scale type and the same group along the row
+        return None not in self.scales and len({(s.element_type, s.shape[1:]) for s in self.scales}) == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,16 +164,28 @@ def _relayout(gate_up: torch.Tensor, have: str, want: str) -> torch.Tensor:
     return gate_up.view(tokens, width // 2, 2).transpose(1, 2).reshape(tokens, width)
 
 
+def _gather(objects: Sequence[torch.Tensor], entries: Sequence[RoleEntry]) -> torch.Tensor:
+    """uint8 [n, sum of nbytes]: each object's bytes of `entries`, concatenated in order."""
+    pieces = [obj[e.offset : e.offset + e.nbytes] for obj in objects for e in entries]
+    return torch.cat(pieces).view(len(objects), -1)
+
+
 def _dequantize_group(group: WeightGroup, objects: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    n = len(objects)
     if group.byte_concatenable:
-        pieces = [obj[r.offset : r.offset + r.nbytes] for obj in objects for r in group.roles]
-        raw = torch.cat(pieces).view(n, -1)  # uint8 [n, group bytes]
-        return dequantize_roles(raw, group.roles[0].element_type, group.shape, dtype)
+        raw = _gather(objects, group.roles)  # uint8 [n, group bytes]
+        if not group.scaled:
+            return dequantize_roles(raw, group.roles[0].element_type, group.shape, dtype)
+        scales = _gather(objects, group.scales)  # uint8 [n, group scale bytes], rows as the weight's
+        return dequantize_scaled_roles(raw, scales, group.roles[0].element_type, group.shape,
+                                       group.scales[0].element_type, group.scale_shape, dtype)
     parts = []
-    for role in group.roles:  # mixed types: dequantize each role, then concatenate the values
-        raw = torch.stack([obj[role.offset : role.offset + role.nbytes] for obj in objects])  # [n, nbytes]
-        parts.append(dequantize_roles(raw, role.element_type, role.shape, dtype))
+    for role, scale in zip(group.roles, group.scales):  # mixed: dequantize each role, concatenate values
+        raw = _gather(objects, (role,))  # uint8 [n, nbytes]
+        if scale is None:
+            parts.append(dequantize_roles(raw, role.element_type, role.shape, dtype))
+        else:
+            parts.append(dequantize_scaled_roles(raw, _gather(objects, (scale,)), role.element_type, role.shape,
+                                                 scale.element_type, scale.shape, dtype))
     return torch.cat(parts, dim=1)
 
 
@@ -166,13 +203,19 @@ def build_layer_plan(layer: int, roles: Sequence[RoleEntry], orientation: str, g
         if role in by_role:
             raise ExpertLayoutError(layer, f"role {role.name} appears twice")
         by_role[role] = entry
+    try:
+        check_scale_pairs((e.role, e.element_type, tuple(e.shape)) for e in by_role.values())
+    except ScalePairError as exc:
+        raise ExpertLayoutError(layer, str(exc)) from None
+    scale_of = {WEIGHT_ROLE_OF[r]: by_role.pop(r) for r in list(by_role) if r in SCALE_ROLES}
     _check_role_set(layer, set(by_role), target)
     _check_shapes(layer, by_role, orientation, target)
 
     def group(name: str, *members: Role) -> WeightGroup:
         entries = tuple(by_role[m] for m in members)
         first = entries[0].shape
-        return WeightGroup(name, entries, (sum(e.shape[0] for e in entries), *first[1:]))
+        return WeightGroup(name, entries, (sum(e.shape[0] for e in entries), *first[1:]),
+                           tuple(scale_of.get(m) for m in members))
 
     def bias(name: str, *members: Role) -> WeightGroup | None:
         return group(name, *members) if target.has_bias else None

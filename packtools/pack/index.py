@@ -15,7 +15,7 @@ from packtools.pack import constants as C
 @dataclasses.dataclass(frozen=True)
 class RoleEntry:
     role: int  # constants.Role value
-    element_type: int  # gguf.GGMLQuantizationType value
+    element_type: int  # constants.ElementType id (GGML's, or the pack's own from 256)
     offset: int  # bytes from the object's start, ROLE_ALIGNMENT-aligned
     nbytes: int
     shape: tuple[int, ...]  # logical element shape, last dim contiguous

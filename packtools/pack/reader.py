@@ -14,6 +14,7 @@ from pathlib import Path
 from packtools.pack import constants as C
 from packtools.pack.errors import ObjectChecksumError, PackFormatError, PackIndexError, PackVersionError
 from packtools.pack.index import ObjectEntry, PackHeader, decode_index, index_size
+from packtools.pack.scales import ScalePairError, check_scale_pairs
 
 
 class PackReader:
@@ -43,6 +44,8 @@ class PackReader:
         magic, header, crc = PackHeader.decode(raw)
         if magic != C.MAGIC:
             raise PackFormatError(self._name, f"bad magic {magic!r}, expected {C.MAGIC!r}", offset=0)
+        # Any minor of our major is read: minors only add role and type ids, and every role's ids
+        # are checked below, so a newer pack is refused by name only when it uses what we lack.
         if header.version_major != C.VERSION_MAJOR:
             raise PackVersionError(self._name, f"format version {header.version_major}."
                                    f"{header.version_minor}; this reader reads {C.VERSION_MAJOR}.x", offset=8)
@@ -135,11 +138,19 @@ class PackReader:
                 raise fail(f"role {role.role}: {exc}") from None
             if role.nbytes != expected:
                 raise fail(f"role {role.role}: nbytes {role.nbytes}, {etype.name} {role.shape} needs {expected}")
+            since = C.minor_version_needed(role.role, etype)
+            if since > h.version_minor:
+                raise fail(f"role {C.Role(role.role).name.lower()} {etype.name} needs format 1.{since}, "
+                           f"but the header says 1.{h.version_minor}")
             if role.offset % C.ROLE_ALIGNMENT or role.offset < role_end:
                 raise fail(f"role {role.role}: offset {role.offset} is unaligned or overlaps the previous role")
             role_end = role.offset + role.nbytes
         if role_end != obj.size:
             raise fail(f"roles end at {role_end} but the object size is {obj.size}")
+        try:
+            check_scale_pairs((r.role, r.element_type, r.shape) for r in obj.roles)
+        except ScalePairError as exc:
+            raise fail(str(exc)) from None
 
     # -- access ----------------------------------------------------------------------
     @property

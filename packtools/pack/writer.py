@@ -17,6 +17,7 @@ from pathlib import Path
 from packtools.pack import constants as C
 from packtools.pack.errors import PackWriterError
 from packtools.pack.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
+from packtools.pack.scales import ScalePairError, check_scale_pairs
 
 
 class WriterState(enum.Enum):
@@ -42,6 +43,9 @@ class PackWriter:
         self._file.truncate(self._data_offset)
         self._file.seek(self._data_offset)
         self._pos = self._data_offset
+        # A pack records the least minor version that covers what it holds, so packs without
+        # 1.1 features stay readable by 1.0 readers.
+        self._minor = 0
         self.state = WriterState.OPEN
 
     def _expected_next(self) -> tuple[int, int]:
@@ -61,9 +65,15 @@ class PackWriter:
         if len(roles) != self.roles_per_object:
             raise PackWriterError(f"(layer {layer}, expert {expert}): {len(roles)} roles, "
                                   f"pack has {self.roles_per_object} per object")
-        entries, crc, rel = [], 0, 0
         for role, etype, shape, payload in roles:
             self._check_role(layer, expert, role, etype, shape, payload)
+        try:
+            check_scale_pairs((role, etype, tuple(shape)) for role, etype, shape, _ in roles)
+        except ScalePairError as exc:
+            raise PackWriterError(f"(layer {layer}, expert {expert}): {exc}") from None
+        entries, crc, rel = [], 0, 0
+        for role, etype, shape, payload in roles:
+            self._minor = max(self._minor, C.minor_version_needed(role, etype))
             pad = C.align_up(rel, C.ROLE_ALIGNMENT) - rel
             if pad:
                 crc = zlib.crc32(b"\0" * pad, crc)
@@ -114,7 +124,7 @@ class PackWriter:
         assert len(index) == self._index_size
         sizes = {o.padded_size for o in self._objects}
         header = PackHeader(
-            version_major=C.VERSION_MAJOR, version_minor=C.VERSION_MINOR,
+            version_major=C.VERSION_MAJOR, version_minor=self._minor,
             header_size=C.HEADER_SIZE, alignment=C.ALIGNMENT, role_alignment=C.ROLE_ALIGNMENT,
             layer_count=len(self.layers), expert_count=self.expert_count,
             roles_per_object=self.roles_per_object, flags=0,

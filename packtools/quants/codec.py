@@ -40,7 +40,7 @@ _GGUF_QUANTIZED = frozenset(
     }
 )
 
-# Types quantize() produces: the pack's element types (packtools.pack.constants.SUPPORTED_TYPES).
+# Types quantize() produces: the pack's self-contained GGML types (constants.SELF_CONTAINED_TYPES).
 QUANTIZABLE_TYPES: frozenset[ElementType] = _GGUF_QUANTIZED | frozenset(kquants.K_QUANTIZERS)
 
 

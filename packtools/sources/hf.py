@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from packtools.arch import config_from_dict, get_arch
 from packtools.arch.errors import HFCheckpointError, MissingCheckpointFile, UnexpectedTensor
@@ -149,7 +148,8 @@ class HFSource:
         return self._experts.num_experts
 
     def expert_layout(self) -> ExpertLayout:
-        return self.spec.layout
+        """The arch's layout; block-scaled checkpoints add each weight's scale role after the weights."""
+        return self._experts.layout
 
     def expert_form(self, layer: int) -> str:
         """'per_expert' or 'fused': how the checkpoint stores this layer's experts."""

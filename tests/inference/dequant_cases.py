@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from packtools.pack.constants import SUPPORTED_TYPES, ElementType, block_shape
+from packtools.pack.constants import SELF_CONTAINED_TYPES, ElementType, block_shape
 
 # Byte offsets of the fp16 scale fields inside one block (see gguf-py's dequantize_blocks).
 FP16_FIELDS: dict[ElementType, tuple[int, ...]] = {
@@ -31,8 +31,10 @@ FP16_FIELDS: dict[ElementType, tuple[int, ...]] = {
 }
 E8M0_FIELDS: dict[ElementType, tuple[int, ...]] = {ElementType.MXFP4: (0,)}
 FLOAT_TYPES = (ElementType.F32, ElementType.F16, ElementType.BF16)
-QUANT_TYPES = tuple(sorted(set(SUPPORTED_TYPES) - set(FLOAT_TYPES)))
-ALL_TYPES = tuple(sorted(SUPPORTED_TYPES))
+# gguf-py is the reference, so these are the pack's GGML types; its own types (F4_E2M1X2 with
+# UE8M0 scales) are checked in test_dequant_scaled.py
+QUANT_TYPES = tuple(sorted(set(SELF_CONTAINED_TYPES) - set(FLOAT_TYPES)))
+ALL_TYPES = tuple(sorted(SELF_CONTAINED_TYPES))
 assert set(FP16_FIELDS) | set(E8M0_FIELDS) == set(QUANT_TYPES)
 
 

@@ -314,6 +314,7 @@ def test_inspect_json_describes_the_bundle(good):
         "dense_bytes": (bundle / "dense.safetensors").stat().st_size,
         "dense_tensors": dense_count,
         "tokenizer": "gguf-metadata",
+        "pack_format": "1.0",  # no 1.1 feature (block-scaled FP4) in use
     }
     text = packtools("inspect", str(bundle))
     assert text.returncode == 0

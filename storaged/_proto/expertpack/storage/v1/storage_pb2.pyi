@@ -28,6 +28,10 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UP_BIAS: _ClassVar[Role]
     ROLE_DOWN_BIAS: _ClassVar[Role]
     ROLE_GATE_UP_BIAS: _ClassVar[Role]
+    ROLE_GATE_SCALE: _ClassVar[Role]
+    ROLE_UP_SCALE: _ClassVar[Role]
+    ROLE_DOWN_SCALE: _ClassVar[Role]
+    ROLE_GATE_UP_SCALE: _ClassVar[Role]
 CAPABILITY_UNSPECIFIED: Capability
 CAPABILITY_SHM_ARENA: Capability
 CAPABILITY_CUDA_IPC_ARENA: Capability
@@ -44,6 +48,10 @@ ROLE_GATE_BIAS: Role
 ROLE_UP_BIAS: Role
 ROLE_DOWN_BIAS: Role
 ROLE_GATE_UP_BIAS: Role
+ROLE_GATE_SCALE: Role
+ROLE_UP_SCALE: Role
+ROLE_DOWN_SCALE: Role
+ROLE_GATE_UP_SCALE: Role
 
 class InfoRequest(_message.Message):
     __slots__ = ()
