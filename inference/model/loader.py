@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from inference.experts import ExpertSource, bind_experts, routed_parameter_names, select_expertpack
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError

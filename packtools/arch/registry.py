@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import AutoConfig, PretrainedConfig
 
+import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from packtools.arch.errors import UnknownArchitecture
-from packtools.arch.spec import ArchSpec, FusedPart
+from packtools.arch.spec import ArchSpec, BlockScaledParts, FusedPart
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
 from packtools.pack.constants import Role
 from packtools.sources.base import ExpertLayout
@@ -70,6 +73,16 @@ def _swiglu(model_type: str, num_experts_attr: str, inter_attr: str, rule, conta
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentExpertsArchSpec(ArchSpec):
+    """An architecture whose routed experts run at `config.expert_hidden_size`, a latent width
+    narrower than hidden_size (Kimi-K3's latent MoE), instead of at hidden_size."""
+
+    def role_shapes(self, config: PretrainedConfig) -> dict[Role, tuple[int, ...]]:
+        width, inter = int(config.expert_hidden_size), self.moe_intermediate_size(config)
+        return {Role.GATE: (inter, width), Role.UP: (inter, width), Role.DOWN: (width, inter)}
+
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_moe": _swiglu(
         "qwen3_moe", "num_experts", "moe_intermediate_size", _qwen_sparse_layers, ("mlp",), _NAMED_PROJ
@@ -102,14 +115,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         _NAMED_PROJ,
         notes="first_k_dense_replace dense layers; gate.e_score_correction_bias is dense; covers Kimi-K2",
     ),
-    "deepseek_v4": _swiglu(
-        "deepseek_v4",
-        "n_routed_experts",
-        "moe_intermediate_size",
-        _every_layer,
-        ("ffn", "mlp"),
-        _W_PROJ,
-        notes="hash_moe layers route by the persistent gate.tid2eid buffer (dense); checkpoint names renamed",
+    "deepseek_v4": dataclasses.replace(
+        _swiglu(
+            "deepseek_v4",
+            "n_routed_experts",
+            "moe_intermediate_size",
+            _every_layer,
+            ("ffn", "mlp"),
+            _W_PROJ,
+            notes="hash_moe layers route by the persistent gate.tid2eid buffer (dense); checkpoint names renamed; "
+                  "the official checkpoint's experts are packed FP4 `.weight` + UE8M0 `.scale`",
+        ),
+        block_scaled=BlockScaledParts("weight", "scale"),
     ),
     "kimi_linear": _swiglu(
         "kimi_linear",
@@ -119,6 +136,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ("block_sparse_moe", "mlp"),
         _W_PROJ,
         notes="mlp_layer_types dense/sparse; q/k/v conv1d are concatenated at load",
+    ),
+    "kimi_k3": LatentExpertsArchSpec(
+        model_type="kimi_k3",
+        layout=_SWIGLU_LAYOUT,
+        num_experts_attr="num_experts",
+        moe_intermediate_attr="moe_intermediate_size",
+        moe_layer_rule=_kimi_sparse_layers,
+        containers=("block_sparse_moe", "mlp"),
+        per_expert_parts=_W_PROJ,
+        fused_parts=_SWIGLU_FUSED,
+        top_k_attr="num_experts_per_token",
+        # the official (multimodal) checkpoint nests the text model under "language_model."
+        checkpoint_prefixes=("language_model.model.", "model.", ""),
+        # Moonshot's release: compressed-tensors "mxfp4-pack-quantized" routed experts
+        block_scaled=BlockScaledParts("weight_packed", "weight_scale"),
+        notes="packtools.models.kimi_k3; experts at routed_expert_hidden_size (latent), SiTU activation; "
+              "official checkpoint under language_model. with a multimodal config.json wrapper",
     ),
     "gpt_oss": ArchSpec(
         model_type="gpt_oss",

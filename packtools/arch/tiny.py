@@ -187,6 +187,34 @@ def _kimi_linear(size: TinySize) -> dict:
     }
 
 
+def _kimi_k3(size: TinySize) -> dict:
+    # every fourth layer MLA as in Kimi-Linear, at least one; Moonshot numbers layers from 1
+    full = [i + 1 for i in range(size.num_layers) if i % 4 == 3] or [size.num_layers]
+    return {
+        **_mla_attention(),
+        "q_lora_rank": 32,
+        "linear_attn_config": {"num_heads": NUM_ATTENTION_HEADS, "head_dim": 16, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True, "full_attn_layers": full},
+        "num_experts": size.num_experts,
+        "num_experts_per_token": size.top_k,
+        "moe_intermediate_size": size.moe_intermediate_size,
+        "intermediate_size": size.dense_intermediate_size,
+        "num_shared_experts": 1,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1 if size.num_layers >= 2 else 0,
+        "routed_expert_hidden_size": size.hidden_size // 2,  # the real model's latent ratio (3584 / 7168)
+        "latent_moe_use_norm": True,
+        "attn_res_block_size": 2,  # banks at layers 0, 2, ...: a 2-layer model already mixes two blocks
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        # Moonshot's MLA low-rank norms and KDA q/k l2 norms use 1e-6 whatever rms_norm_eps is, and
+        # llama.cpp uses rms_norm_eps for both: 1e-6 everywhere makes them compute the same function
+        "rms_norm_eps": 1e-6,
+    }
+
+
 def _deepseek_v4(size: TinySize) -> dict:
     attention_cycle = ("heavily_compressed_attention", "compressed_sparse_attention")
     return {
@@ -222,6 +250,7 @@ TINY_BUILDERS: dict[str, Callable[[TinySize], dict]] = {
     "deepseek_v3": _deepseek_v3,
     "kimi_linear": _kimi_linear,
     "deepseek_v4": _deepseek_v4,
+    "kimi_k3": _kimi_k3,
 }
 
 

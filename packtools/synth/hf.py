@@ -12,14 +12,16 @@ Two ways, same directory layout (config.json, generation_config.json, safetensor
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from packtools.arch import get_arch, tiny_config
 from packtools.arch.spec import ArchSpec
+from packtools.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.tokenizer_synth import write_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,6 +138,11 @@ def synth_hf(
         mode = "materialized"
     if not (out_dir / "generation_config.json").exists():
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    if arch in OFFICIAL_CONFIG_LAYOUTS:
+        # the official repository's config.json layout (e.g. Kimi-K3's multimodal wrapper), which
+        # is what converters and packtools must read; the weights already carry its names
+        written = AutoConfig.from_pretrained(out_dir)
+        (out_dir / "config.json").write_text(json.dumps(OFFICIAL_CONFIG_LAYOUTS[arch](written), indent=2) + "\n")
     tokenizer_files = write_tokenizer(out_dir, config.vocab_size)
     return SynthResult(out_dir, arch, mode, total_expert_bytes, sorted(p.name for p in out_dir.iterdir()),
                        tokenizer_files)
