@@ -33,9 +33,12 @@ def open_source(path: str | Path) -> CheckpointSource:
     if src.is_dir():
         if not (src / "config.json").is_file():
             raise SourceError(f"{src}: a Hugging Face model directory needs config.json")
+        from packtools.sources.deepseek_v4_official import DeepseekV4OfficialSource, is_official_layout
         from packtools.sources.hf import HFSource
 
-        return HFSource(src)
+        # DeepSeek's own layout (original tensor names, FP8 dense with block scales) needs its
+        # scales paired before the dense tensors are planned
+        return DeepseekV4OfficialSource(src) if is_official_layout(src) else HFSource(src)
     if src.is_file():
         with open(src, "rb") as f:
             magic = f.read(4)
@@ -72,7 +75,7 @@ def build_bundle(source_path: str | Path, output: str | Path, *, force: bool = F
     source = open_source(source_path)
     try:
         with staged_bundle(output, force=force) as staging:
-            config = source.hf_config()
+            config, source_quantization = _without_quantization_config(source.hf_config())
             config_bytes = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
             (staging / CONFIG).write_bytes(config_bytes)
             pack_header, expert_bytes, types = _write_pack(source, staging / PACK, progress)
@@ -84,7 +87,7 @@ def build_bundle(source_path: str | Path, output: str | Path, *, force: bool = F
                 "version": FORMAT_VERSION,
                 "created_by": f"packtools {__version__}",
                 "model_type": config.get("model_type"),
-                "source": {"kind": source.kind, **source.identity()},
+                "source": {"kind": source.kind, **source.identity(), "quantization_config": source_quantization},
                 "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
                 "pack": {"file": PACK, "size": pack_header.file_size,
                          "index_crc32": pack_header.index_crc32, "object_stride": pack_header.object_stride},
@@ -106,6 +109,22 @@ def build_bundle(source_path: str | Path, output: str | Path, *, force: bool = F
         source.close()
     return BuildReport(Path(output), pack_header.layer_count * pack_header.expert_count, expert_bytes,
                        dense_count, dense_bytes, time.monotonic() - start, peak_rss_bytes())
+
+
+def _without_quantization_config(config: dict) -> tuple[dict, dict | None]:
+    """The config without the checkpoint's `quantization_config` (top level or in a multimodal
+    wrapper's text_config), and that entry. The bundle holds experts verbatim in the pack and dense
+    weights as plain floats, so the entry no longer describes its files; left in, it would send
+    transformers' from_pretrained down a quantizer's path. The manifest keeps it as provenance."""
+    config = dict(config)
+    found = config.pop("quantization_config", None)
+    text = config.get("text_config")
+    if isinstance(text, dict) and "quantization_config" in text:
+        text = dict(text)
+        found = found or text.pop("quantization_config")
+        text.pop("quantization_config", None)
+        config["text_config"] = text
+    return config, found
 
 
 def peak_rss_bytes() -> int:

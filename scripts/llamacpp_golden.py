@@ -35,6 +35,10 @@ NEW_TOKENS = 32
 PROMPT = [1, 17, 305, 88, 421, 42, 260, 133, 77, 499, 12, 301]  # fixed token ids, vocab 512
 NARROW = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4}  # F32 and MXFP4 cases
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quants: 256-element rows
+# DeepSeek-V4's heavily compressed layers pool 128 tokens into one entry (llama.cpp accepts no other
+# ratio), so its prompt is long enough to fill one and to slide far past the window of 16
+LONG_PROMPT = [1] + [(17 * i * i + 31 * i) % 509 + 3 for i in range(149)]
+PROMPTS = {"short": PROMPT, "long": LONG_PROMPT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +47,20 @@ class Case:
     quant: str  # "F32" (converter output as is) or a llama-quantize ftype name
     sizes: dict
     overrides: dict = dataclasses.field(default_factory=dict)  # config attributes of the random model
+    quantize_args: tuple[str, ...] = ()  # llama-quantize options, e.g. --tensor-type per tensor
+    # "float", or "compressed-tensors-mxfp4": experts stored as the official Kimi-K3 checkpoint does,
+    # which the converter turns into MXFP4 itself (the GGUF is its output, not llama-quantize's)
+    expert_format: str = "float"
+    prompt: str = "short"  # a key of PROMPTS
 
     @property
     def name(self) -> str:
         return f"{self.arch}-{self.quant}"
 
     @property
-    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width), shared by its quantizations
-        return f"{self.arch}-{'wide' if self.sizes == WIDE else 'narrow'}"
+    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width, expert format), shared by its quantizations
+        width = "wide" if self.sizes["hidden_size"] == WIDE["hidden_size"] else "narrow"
+        return f"{self.arch}-{width}" + ("" if self.expert_format == "float" else f"-{self.expert_format}")
 
 
 # transformers' DeepseekV3Config does not serialize scoring_func/topk_method; DeepSeek-V3's own
@@ -75,6 +85,27 @@ CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "kimi_linear": _kimi_
 # OLMoE-1B-7B); transformers sizes it head_dim * n_kv_heads.
 OLMOE_MHA = {"num_key_value_heads": 4}
 
+# Kimi-K3 as users hold it: llama.cpp's converter output (F32), the common Q2_K quantization with
+# Q2_K gate/up and Q3_K down experts, and MXFP4 experts from the official compressed-tensors
+# checkpoint. 4 layers: a dense first layer, KDA and MLA layers, two attention-residual blocks.
+# The wide case's latent width is 256 so that expert rows are whole K-quant blocks.
+K3_LAYERS = {"num_layers": 4}
+K3_USERS_Q2_K = ("--tensor-type", "ffn_gate_exps=q2_k", "--tensor-type", "ffn_up_exps=q2_k",
+                 "--tensor-type", "ffn_down_exps=q3_k")
+KIMI_K3_CASES = [
+    Case("kimi_k3", "F32", {**NARROW, **K3_LAYERS}),
+    Case("kimi_k3", "Q2_K", {**WIDE, **K3_LAYERS}, {"routed_expert_hidden_size": 256}, quantize_args=K3_USERS_Q2_K),
+    Case("kimi_k3", "MXFP4", {**NARROW, **K3_LAYERS}, expert_format="compressed-tensors-mxfp4"),
+]
+
+# DeepSeek-V4 as DeepSeek publishes it (packtools synth --layout official: FP8 dense, FP4 experts);
+# the converter repacks the experts to MXFP4 and, told to (DSV4_DENSE_BF16_FLAG), keeps the
+# dequantized FP8 dense weights exact in BF16 instead of its Q8_0. index_topk 64 exceeds the
+# compressed entries of the prompt: llama.cpp's indexer selection differs (docs/packtools.md).
+DEEPSEEK_V4_CASES = [
+    Case("deepseek_v4", "MXFP4", NARROW, {"index_topk": 64}, expert_format="deepseek-v4-official", prompt="long"),
+]
+
 CASES = [
     Case("qwen3_moe", "F32", NARROW),
     Case("qwen2_moe", "F32", NARROW),
@@ -87,6 +118,8 @@ CASES = [
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),
     Case("deepseek_v3", "Q2_K", WIDE),
+    *KIMI_K3_CASES,
+    *DEEPSEEK_V4_CASES,
 ]
 
 
@@ -141,20 +174,42 @@ def deps(paths: Paths) -> None:
 
 
 def synthesize_hf(paths: Paths) -> None:
-    if str(REPO) not in sys.path:  # run as a script from anywhere: packtools lives in the repo
-        sys.path.insert(0, str(REPO))
-    from packtools.synth.gguf_models import tiny_random_model
-    from packtools.tokenizer_synth import write_tokenizer
-
     for case in {c.checkpoint: c for c in CASES}.values():
         out = paths.hf(case)
         shutil.rmtree(out, ignore_errors=True)
+        write_checkpoint(case, out)
+
+
+def write_checkpoint(case: Case, out: Path) -> None:
+    """The tiny random HF checkpoint of `case` (deterministic; tests rebuild it to compare with)."""
+    if str(REPO) not in sys.path:  # run as a script from anywhere: packtools lives in the repo
+        sys.path.insert(0, str(REPO))
+    from packtools.models import OFFICIAL_CONFIG_LAYOUTS
+    from packtools.synth.compressed_tensors import to_compressed_tensors_mxfp4
+    from packtools.synth.gguf_models import tiny_random_model
+    from packtools.tokenizer_synth import write_tokenizer
+
+    if case.expert_format == "deepseek-v4-official":
+        _synthesize_deepseek_v4_official(out, case)
+    else:
         model = tiny_random_model(case.arch, seed=5, overrides=case.overrides or None, **case.sizes)
         model.save_pretrained(out)
         write_tokenizer(out, model.config.vocab_size)
         config = json.loads((out / "config.json").read_text())
+        if case.arch in OFFICIAL_CONFIG_LAYOUTS:  # e.g. Kimi-K3's multimodal wrapper, as the converter expects
+            config = OFFICIAL_CONFIG_LAYOUTS[case.arch](model.config)
         extra = CONVERTER_CONFIG_KEYS.get(case.arch, lambda _: {})(config)
         (out / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
+    if case.expert_format == "compressed-tensors-mxfp4":
+        to_compressed_tensors_mxfp4(out)
+
+
+def _synthesize_deepseek_v4_official(out: Path, case: Case) -> None:
+    from packtools.synth.deepseek_v4_official import synth_official
+
+    synth_official(out, seed=5, **case.sizes)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **case.overrides}, indent=2) + "\n")
 
 
 def _vendored_env(paths: Paths) -> dict:
@@ -166,8 +221,9 @@ def _vendored_env(paths: Paths) -> dict:
 def convert(paths: Paths) -> None:
     for case in {c.checkpoint: c for c in CASES}.values():
         paths.f32_gguf(case).parent.mkdir(parents=True, exist_ok=True)
+        flags = [DSV4_DENSE_BF16_FLAG] if case.expert_format == "deepseek-v4-official" else []
         _run([sys.executable, __file__, "_convert", paths.llama_cpp, paths.hf(case), "--outfile",
-              paths.f32_gguf(case), "--outtype", "f32"], env=_vendored_env(paths))
+              paths.f32_gguf(case), "--outtype", "f32", *flags], env=_vendored_env(paths))
 
 
 def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
@@ -191,9 +247,33 @@ def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = recognise_or_gpt2
+    if DSV4_DENSE_BF16_FLAG in converter_args:
+        converter_args = [a for a in converter_args if a != DSV4_DENSE_BF16_FLAG]
+        _keep_dsv4_fp8_dense_bf16()
     script = str(Path(llama_cpp) / "convert_hf_to_gguf.py")
     sys.argv = [script, *converter_args]
     runpy.run_path(script, run_name="__main__")
+
+
+DSV4_DENSE_BF16_FLAG = "--dsv4-fp8-dense-as-bf16"
+
+
+def _keep_dsv4_fp8_dense_bf16() -> None:
+    """DeepseekV4Model writes its dequantized FP8 dense weights as Q8_0 whatever --outtype says;
+    BF16 holds them exactly (an e4m3 value times a power of two within BF16's range, which
+    packtools.sources.dsv4_formats checks), so the comparison stays at float32 rounding. Only the
+    FP8-dequantized tensors change; the rest keeps the converter's choice."""
+    from conversion.deepseek import DeepseekV4Model  # noqa: PLC0415
+    from gguf import GGMLQuantizationType  # noqa: PLC0415  (the vendored gguf-py)
+
+    converter_choice = DeepseekV4Model.tensor_force_quant
+
+    def fp8_dense_as_bf16(self, name, new_name, bid, n_dims):
+        if name in self._dsv4_fp8_dequantized:
+            return GGMLQuantizationType.BF16
+        return converter_choice(self, name, new_name, bid, n_dims)
+
+    DeepseekV4Model.tensor_force_quant = fp8_dense_as_bf16
 
 
 def golden_gguf(case: Case) -> Path:
@@ -203,27 +283,30 @@ def golden_gguf(case: Case) -> Path:
 def quantize(paths: Paths) -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for case in CASES:
-        if case.quant == "F32":
+        if case.quant == "F32" or case.expert_format != "float":  # the converter's output is the case
             shutil.copyfile(paths.f32_gguf(case), golden_gguf(case))
         else:
-            _run([paths.build / "bin" / "llama-quantize", paths.f32_gguf(case), golden_gguf(case), case.quant, "1"],
-                 env=_vendored_env(paths), stdout=subprocess.DEVNULL)
+            _run([paths.build / "bin" / "llama-quantize", *case.quantize_args, paths.f32_gguf(case), golden_gguf(case),
+                  case.quant, "1"], env=_vendored_env(paths), stdout=subprocess.DEVNULL)
 
 
 def run_llama(paths: Paths) -> None:
     for case in CASES:
-        _run([sys.executable, __file__, "_run", golden_gguf(case), GOLDEN / f"{case.name}.json"], env=_vendored_env(paths))
+        _run([sys.executable, __file__, "_run", golden_gguf(case), GOLDEN / f"{case.name}.json", case.prompt],
+             env=_vendored_env(paths))
 
 
-def _run_entry(gguf_path: str, out_json: str) -> None:
+def _run_entry(gguf_path: str, out_json: str, prompt_name: str = "short") -> None:
     """Prompt, then NEW_TOKENS greedy steps; logits row i predicts generated token i."""
     import numpy as np
     from llama_cpp import Llama, __version__
 
     f32 = 0  # GGML_TYPE_F32: the default F16 KV cache alone moves logits by ~5e-4 relative
-    llm = Llama(gguf_path, logits_all=True, n_ctx=128, n_batch=128, n_threads=1, type_k=f32, type_v=f32,
+    prompt = PROMPTS[prompt_name]
+    n_ctx = 128 if len(prompt) + NEW_TOKENS <= 128 else 256
+    llm = Llama(gguf_path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=1, type_k=f32, type_v=f32,
                 flash_attn=False, verbose=False)
-    llm.eval(PROMPT)
+    llm.eval(prompt)
     tokens, rows = [], []
     for _ in range(NEW_TOKENS):
         logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)  # [vocab]
@@ -234,7 +317,7 @@ def _run_entry(gguf_path: str, out_json: str) -> None:
     np.save(out.with_suffix(".logits.npy"), np.stack(rows))  # [NEW_TOKENS, vocab] float32
     record = {"gguf": Path(gguf_path).name, "gguf_sha256": hashlib.sha256(Path(gguf_path).read_bytes()).hexdigest(),
               "llama_cpp_python": __version__, "llama_cpp_commit": _llama_cpp_commit(),
-              "prompt": PROMPT, "tokens": tokens, "logits": out.with_suffix(".logits.npy").name}
+              "prompt": prompt, "tokens": tokens, "logits": out.with_suffix(".logits.npy").name}
     out.write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -255,11 +338,15 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "_convert":
         return _convert_entry(argv[1], argv[2:])
     if argv and argv[0] == "_run":
-        return _run_entry(argv[1], argv[2])
+        return _run_entry(*argv[1:4])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=[*STEPS, "all"])
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/llamacpp"), help="build and scratch directory")
+    parser.add_argument("--arch", action="append", default=None,
+                        help="only the cases of this model_type (repeatable); the other goldens stay untouched")
     args = parser.parse_args(argv)
+    if args.arch:  # the steps read the module's CASES
+        CASES[:] = [case for case in CASES if case.arch in args.arch]
     paths = Paths(args.work)
     for name, step in STEPS.items():
         if args.step in (name, "all"):

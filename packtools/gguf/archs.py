@@ -19,16 +19,17 @@ MODEL_ARCH = gguf.MODEL_ARCH
 @dataclasses.dataclass(frozen=True)
 class GGUFArch:
     model_type: str  # transformers model_type
-    gguf_arch: gguf.MODEL_ARCH
+    gguf_arch: gguf.MODEL_ARCH | None  # None: an arch gguf-py 0.19 does not know (named by arch_name)
     # llama.cpp renormalises the top-k weights of this arch unconditionally (True/False) when the
     # file has no expert_weights_norm key; None: the arch has no such switch in transformers.
     implied_norm_topk: bool | None
     norm_topk_attr: str | None  # transformers config attribute of that switch
     mla: bool = False  # multi-head latent attention (kv_b split into k_b / v_b)
+    arch_name: str | None = None  # general.architecture, for archs newer than gguf-py 0.19
 
     @property
     def gguf_name(self) -> str:
-        return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
+        return self.arch_name or gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
 
 ARCHS: dict[str, GGUFArch] = {
@@ -39,6 +40,10 @@ ARCHS: dict[str, GGUFArch] = {
     "deepseek_v3": GGUFArch("deepseek_v3", MODEL_ARCH.DEEPSEEK2, False, "norm_topk_prob", mla=True),
     "gpt_oss": GGUFArch("gpt_oss", MODEL_ARCH.GPT_OSS, None, None),
     "kimi_linear": GGUFArch("kimi_linear", MODEL_ARCH.KIMI_LINEAR, True, "moe_renormalize", mla=True),
+    # llama.cpp reads expert_weights_norm with default false for kimi-k3; tables: packtools.gguf.kimi_k3*
+    "kimi_k3": GGUFArch("kimi_k3", None, False, "moe_renormalize", mla=True, arch_name="kimi-k3"),
+    # llama.cpp requires expert_weights_norm for deepseek4; tables: packtools.gguf.deepseek4
+    "deepseek_v4": GGUFArch("deepseek_v4", None, True, "norm_topk_prob", arch_name="deepseek4"),
 }
 
 _BY_GGUF_NAME = {arch.gguf_name: arch for arch in ARCHS.values()}

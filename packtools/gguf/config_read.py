@@ -15,7 +15,9 @@ import gguf
 from packtools.arch import get_arch
 from packtools.gguf.archs import GGUFArch
 from packtools.gguf.config_write import DEEPSEEK_YARN_LOG_MUL_PER_MSCALE
+from packtools.gguf.deepseek4 import config_kwargs as _deepseek_v4
 from packtools.gguf.errors import UnknownArchitectureError
+from packtools.gguf.kimi_k3 import config_kwargs as _kimi_k3
 from packtools.gguf.metadata import Metadata, shortest_float
 
 LLM, ATTN, ROPE, TOK = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
@@ -30,6 +32,12 @@ class TensorFacts:
     tied_embeddings: bool  # no output.weight: the LM head reuses token_embd
     attention_bias: bool  # blk.0.attn_q.bias exists
     shared_expert_rows: int | None  # rows of blk.N.ffn_gate_shexp.weight, if any
+    names: frozenset[str] = frozenset()  # every tensor name, for optional tensors that set a switch
+
+
+# archs whose every FFN is MoE: no feed_forward_length in the file (deepseek4; transformers
+# aliases DeepseekV4's intermediate_size to moe_intermediate_size)
+_NO_DENSE_FFN = frozenset({"deepseek_v4"})
 
 
 def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict:
@@ -41,7 +49,6 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
         "num_hidden_layers": meta.require(LLM.BLOCK_COUNT),
         "num_attention_heads": meta.require(ATTN.HEAD_COUNT),
         "max_position_embeddings": meta.require(LLM.CONTEXT_LENGTH),
-        "intermediate_size": meta.require(LLM.FEED_FORWARD_LENGTH),
         "rms_norm_eps": meta.require(ATTN.LAYERNORM_RMS_EPS),
         "hidden_act": "silu",
         get_arch(arch.model_type).num_experts_attr: meta.require(LLM.EXPERT_COUNT),
@@ -50,6 +57,8 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
         "eos_token_id": meta.get(TOK.EOS_ID),
         "pad_token_id": meta.get(TOK.PAD_ID),
     }
+    if arch.model_type not in _NO_DENSE_FFN:
+        kwargs["intermediate_size"] = meta.require(LLM.FEED_FORWARD_LENGTH)
     if arch.norm_topk_attr is not None:
         kwargs[arch.norm_topk_attr] = bool(meta.get(LLM.EXPERT_WEIGHTS_NORM, arch.implied_norm_topk))
     rope = _rope_parameters(meta, arch)
@@ -60,8 +69,8 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
 
 
 def _rope_parameters(meta: Metadata, arch: GGUFArch) -> dict | None:
-    if arch.model_type == "kimi_linear":
-        return None  # its MLA layers are NoPE; the config has no rope parameters
+    if arch.model_type in ("kimi_linear", "kimi_k3"):
+        return None  # their MLA layers are NoPE; the config has no rope parameters
     params = {"rope_type": "default", "rope_theta": meta.get(ROPE.FREQ_BASE, LLAMA_CPP_DEFAULT_ROPE_THETA)}
     scaling = meta.get(ROPE.SCALING_TYPE, gguf.RopeScalingType.NONE.value)
     if scaling == gguf.RopeScalingType.LINEAR.value:
@@ -86,6 +95,12 @@ def _rope_parameters(meta: Metadata, arch: GGUFArch) -> dict | None:
     elif scaling != gguf.RopeScalingType.NONE.value:
         raise UnknownArchitectureError(meta.path, arch.gguf_name, f"rope scaling {scaling!r} is not supported")
     return params
+
+
+def expert_hidden_width(meta: Metadata) -> int:
+    """The width routed experts take in and give out: the latent width of a latent MoE (kimi-k3's
+    expert_latent_length), else the embedding length."""
+    return meta.get("{arch}.expert_latent_length") or meta.require(LLM.EMBEDDING_LENGTH)
 
 
 def _head_dim_or_default(meta: Metadata, kwargs: dict) -> int:
@@ -199,4 +214,6 @@ _ARCH_READERS: dict[str, Callable[[Metadata, TensorFacts, dict], dict]] = {
     "deepseek_v3": _deepseek_v3,
     "gpt_oss": _gpt_oss,
     "kimi_linear": _kimi_linear,
+    "kimi_k3": _kimi_k3,
+    "deepseek_v4": _deepseek_v4,
 }

@@ -25,11 +25,13 @@ from packtools.quants import UnsupportedQuantType, dequantize
 from packtools.sources.base import DenseTensor
 
 ElementType = gguf.GGMLQuantizationType
-_KEPT_DTYPES = {ElementType.F32: torch.float32, ElementType.F16: torch.float16, ElementType.BF16: torch.bfloat16}
+# kept as stored: floats, and integer tables (deepseek4's hash-routing tid2eid is I32)
+_KEPT_DTYPES = {ElementType.F32: torch.float32, ElementType.F16: torch.float16, ElementType.BF16: torch.bfloat16,
+                ElementType.I32: torch.int32}
 
 
 def read_tensor(location: TensorLocation) -> torch.Tensor:
-    """A GGUF tensor as a torch tensor of its logical shape: F32/F16/BF16 as is, else float32."""
+    """A GGUF tensor as a torch tensor of its logical shape: F32/F16/BF16/I32 as is, else float32."""
     kind = location.element_type
     # pread, not a copy out of gguf-py's memory map: pages read through a map that stays open
     # stay resident, so RSS would grow with the dense bytes (tests/packtools/test_build.py)
@@ -40,7 +42,7 @@ def read_tensor(location: TensorLocation) -> torch.Tensor:
     finally:
         os.close(fd)
     raw = np.frombuffer(bytearray(data), dtype=template.dtype).reshape(template.shape)
-    if kind in (ElementType.F32, ElementType.F16):
+    if kind in (ElementType.F32, ElementType.F16, ElementType.I32):
         return torch.from_numpy(raw).reshape(location.shape)
     if kind == ElementType.BF16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(location.shape)

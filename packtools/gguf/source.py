@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from packtools.arch import get_arch
 from packtools.gguf.archs import arch_for_gguf
-from packtools.gguf.config_read import TensorFacts, hf_config_kwargs
+from packtools.gguf.config_read import TensorFacts, expert_hidden_width, hf_config_kwargs
 from packtools.gguf.dense import meta_model_state, plan_dense
 from packtools.gguf.errors import ExpertLayoutError, TensorMappingError
 from packtools.gguf.experts import find_expert_tensors, role_slice, validate_experts
@@ -50,7 +50,7 @@ class GGUFSource:
             expert_count=self.meta.get(LLM.EXPERT_COUNT, 0), gating_func=self.meta.get(LLM.EXPERT_GATING_FUNC),
         )
         self._experts = find_expert_tensors(self._tensors)
-        hidden = self.meta.require(LLM.EMBEDDING_LENGTH)
+        hidden = expert_hidden_width(self.meta)
         self._roles = validate_experts(self._experts, self.meta.require(LLM.EXPERT_COUNT), hidden)
         self._config = self._build_config()
         expected = get_arch(self._config.model_type).moe_layers(self._config)
@@ -80,10 +80,13 @@ class GGUFSource:
             tied_embeddings=_OUTPUT not in tensors,
             attention_bias=_ATTN_Q_BIAS in tensors,
             shared_expert_rows=shared.shape[0] if shared is not None else None,
+            names=frozenset(tensors),
         )
         kwargs = hf_config_kwargs(self.meta, self.arch, facts)
         config = AutoConfig.for_model(self.arch.model_type, **kwargs)
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.arch.model_type]]
+        # model types registered at run time (packtools.models) are only in the Auto class's mapping
+        registered = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(self.arch.model_type)
+        config.architectures = [registered or AutoModelForCausalLM._model_mapping[type(config)].__name__]
         return config
 
     # ---- CheckpointSource ----

@@ -13,6 +13,7 @@ llama.cpp's converter transforms a tensor, the rule carries the transform and it
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ Tensors = tuple[torch.Tensor, ...]
 # transformers 5 keys of routed experts: "model.layers.N.mlp.experts.<param>"
 ROUTED_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\w+)$")
 _SUFFIXES = (".weight", ".bias")
+# model_type -> module with `dense_rule(config, hf_name) -> DenseRule`, for archs gguf-py 0.19 lacks
+OWN_TABLES = {"kimi_k3": "packtools.gguf.kimi_k3_tensors", "deepseek_v4": "packtools.gguf.deepseek4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,9 @@ class TensorMapper:
     def __init__(self, config: PretrainedConfig):
         self.config = config
         self.arch: GGUFArch = arch_for_model_type(config.model_type)
-        self.names = gguf.get_tensor_name_map(self.arch.gguf_arch, config.num_hidden_layers)
+        # archs gguf-py 0.19 does not know have no TensorNameMap: their own table (OWN_TABLES) maps them
+        known = self.arch.gguf_arch is not None
+        self.names = gguf.get_tensor_name_map(self.arch.gguf_arch, config.num_hidden_layers) if known else None
 
     @staticmethod
     def routed_expert(hf_name: str) -> tuple[int, str] | None:
@@ -96,6 +101,8 @@ class TensorMapper:
     def dense_rule(self, hf_name: str) -> DenseRule:
         if self.routed_expert(hf_name) is not None:
             raise TensorMappingError(f"{hf_name!r} is a routed expert tensor, not a dense one")
+        if self.names is None:
+            return importlib.import_module(OWN_TABLES[self.config.model_type]).dense_rule(self.config, hf_name)
         name = self._checkpoint_spelling(hf_name)
         arch = self.arch.gguf_arch
         if arch == MODEL_ARCH.LLAMA and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):

@@ -14,6 +14,10 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="output directory (hf) or .gguf file path (gguf; split sets get -0000N-of-0000M)")
     p.add_argument("--format", choices=("hf", "gguf"), default="hf")
+    p.add_argument("--layout", choices=("transformers", "official"), default="transformers",
+                   help="hf: what save_pretrained writes, or the vendor's published layout (deepseek_v4: FP8 "
+                        "dense + scales, FP4 experts + scales, DeepSeek's names and config keys; kimi_k3: "
+                        "compressed-tensors MXFP4 experts, bf16 dense, Moonshot's multimodal wrapper)")
     p.add_argument("--expert-type", default=None,
                    help="expert element type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K "
                         "Q6_K MXFP4 (gguf; default F32) or float32/bfloat16/float16 (hf; default bfloat16)")
@@ -51,6 +55,22 @@ def _sizes(args) -> dict:
     return sizes
 
 
+def _synth_official(args, out: Path) -> Path:
+    if args.arch not in ("deepseek_v4", "kimi_k3") or args.format != "hf":
+        raise ValueError(f"--layout official exists for deepseek_v4 and kimi_k3 --format hf, not {args.arch} "
+                         f"--format {args.format}")
+    if args.expert_type is not None:
+        raise ValueError("--layout official fixes the dtypes (FP4 experts with scales); drop --expert-type")
+    if args.arch == "kimi_k3":
+        from packtools.synth.compressed_tensors import synth_kimi_k3_mxfp4
+
+        return synth_kimi_k3_mxfp4(out, seed=args.seed, **_sizes(args))
+    from packtools.synth.deepseek_v4_official import synth_official
+
+    # default 3 layers: one sliding-window, one CSA and one HCA layer
+    return synth_official(out, seed=args.seed, **_sizes(args)).out_dir
+
+
 def run_synth(args) -> Path:
     from packtools.arch import get_arch
 
@@ -58,6 +78,8 @@ def run_synth(args) -> Path:
     out = Path(args.output)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; synth never overwrites")
+    if args.layout == "official":
+        return _synth_official(args, out)
     if args.format == "hf":
         from packtools.synth.hf import synth_hf
 

@@ -35,6 +35,17 @@ F32_RELATIVE_TOLERANCE = 1e-5  # measured <= 8e-7: only float32 summation order 
 # wrong expert, role or block layout gives near-chance agreement and errors of order 1.
 QUANT_MIN_TOP1_AGREEMENT = 0.85
 QUANT_MEAN_RELATIVE_TOLERANCE = 0.05
+# Kimi-K3 (KDA chunked scan, softmax-mixed residuals) is noisier in float32: with the KDA kernels
+# in float64 as the exact function, our float32 model is 1.25e-5 from it and llama.cpp 4.9e-6
+# (measured), so ours vs llama.cpp is 1.5e-5 without any formula differing.
+F32_CASE_TOLERANCE = {"kimi_k3-F32": 3e-5}
+# kimi_k3-Q2_K: Q2_K dense as well as experts (llama-quantize's Q2_K mixture) and Q8_K activations
+# on llama.cpp's side: 81% top-1. The same bundle against llama.cpp running the gguf-py-dequantized
+# weights in F32 agrees 100%, greedy identical, 9.9e-6 max relative (docs/packtools.md, Kimi-K3).
+QUANT_CASE_MIN_TOP1_AGREEMENT = {"kimi_k3-Q2_K": 0.75}
+# DeepSeek-V4: MXFP4 experts (llama.cpp quantizes their activations to Q8_0), everything else exact
+# (FP8 dense kept in BF16): measured 5.1e-3 max relative, and the same 32 greedy tokens
+GREEDY_EXACT_CASES = {"deepseek_v4-MXFP4": 1e-2}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -118,7 +129,8 @@ def _compare(case: str, bundle_dir: Path, *, as_llamacpp: bool) -> tuple[float, 
         deviation = LLAMACPP_DEVIATIONS.get(_arch(case)) if as_llamacpp else None
         with deviation(loaded.model) if deviation else contextlib.nullcontext():
             got = _teacher_forced_logits(loaded.model, record["prompt"], record["tokens"])
-            greedy = _greedy(loaded.model, record["prompt"], len(record["tokens"])) if case.endswith("-F32") else None
+            wants_greedy = case.endswith("-F32") or case in GREEDY_EXACT_CASES
+            greedy = _greedy(loaded.model, record["prompt"], len(record["tokens"])) if wants_greedy else None
     agreement = float(np.mean(got.argmax(axis=1) == np.array(record["tokens"])))
     scale = np.abs(expected).max()
     relative_max, relative_mean = float(np.abs(got - expected).max() / scale), float(np.abs(got - expected).mean() / scale)
@@ -128,11 +140,16 @@ def _compare(case: str, bundle_dir: Path, *, as_llamacpp: bool) -> tuple[float, 
 
 
 def _check(case: str, agreement: float, relative_max: float, relative_mean: float, greedy: list[int] | None) -> None:
-    if case.endswith("-F32"):
+    if case in GREEDY_EXACT_CASES:
         assert greedy == _record(case)["tokens"], f"{case}: greedy tokens differ from llama.cpp's"
-        assert relative_max < F32_RELATIVE_TOLERANCE, f"{case}: max relative logits error {relative_max:.2e}"
+        assert relative_max < GREEDY_EXACT_CASES[case], f"{case}: max relative logits error {relative_max:.2e}"
+    elif case.endswith("-F32"):
+        assert greedy == _record(case)["tokens"], f"{case}: greedy tokens differ from llama.cpp's"
+        tolerance = F32_CASE_TOLERANCE.get(case, F32_RELATIVE_TOLERANCE)
+        assert relative_max < tolerance, f"{case}: max relative logits error {relative_max:.2e}"
     else:
-        assert agreement >= QUANT_MIN_TOP1_AGREEMENT, f"{case}: top-1 agreement {agreement:.1%}"
+        least = QUANT_CASE_MIN_TOP1_AGREEMENT.get(case, QUANT_MIN_TOP1_AGREEMENT)
+        assert agreement >= least, f"{case}: top-1 agreement {agreement:.1%}"
         assert relative_mean < QUANT_MEAN_RELATIVE_TOLERANCE, f"{case}: mean relative logits error {relative_mean:.2e}"
 
 
