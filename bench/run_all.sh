@@ -62,6 +62,7 @@ else
     ((PIPESTATUS[0] != 0)) && failed=1
 fi
 # one archive: the device tool brings back at most 8 files
-tar czf "$OUT/run-logs.tgz" -C "$WORKDIR" runs 2>/dev/null
+# (logs only: runs/ also holds accelerate's offload folder, gigabytes)
+(cd "$WORKDIR/runs" 2>/dev/null && tar czf "$OUT/run-logs.tgz" ./*.log)
 echo "=== total $SECONDS s; results in $OUT/results.json and $OUT/results.md"
 exit $failed

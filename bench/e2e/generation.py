@@ -1,5 +1,9 @@
-"""The timed loop every contender runs: one prefill forward of the prompt, then greedy decoding one
-token at a time with the model's KV cache, stopped early at a deadline (after at least two tokens)."""
+"""The timed loop every contender runs: one prefill forward of the prompt, then decoding one token at
+a time with the model's KV cache, stopped early at a deadline (after at least two tokens).
+
+Decoding is greedy, or sampled (temperature 1, a seeded generator on the device): greedy decoding
+of a random-weight model soon repeats one token, so its router picks the same experts every step
+and decode never touches the disk; sampled tokens vary, and so does routing, as with real text."""
 
 from __future__ import annotations
 
@@ -40,14 +44,27 @@ def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int) -> No
 
 @torch.inference_mode()
 def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size: int, prompt_len: int,
-                     tokens: int, deadline: float, on_decode_start: Callable[[], None] | None = None) -> dict:
-    """prefill_seconds, decode_seconds, decoded (tokens), and the greedy ids (for cross-checks)."""
+                     tokens: int, deadline: float, on_decode_start: Callable[[], None] | None = None,
+                     sample_seed: int | None = None, min_seconds: float = 0.0) -> dict:
+    """prefill_seconds, decode_seconds, decoded (tokens), and the token ids (for cross-checks).
+
+    sample_seed: None decodes greedily, else samples with that seed. The deadline is moved to
+    `min_seconds` after the prefill starts when it is earlier: a slow cold start must not leave a
+    contender no time to decode."""
     keyword = _cache_keyword(model)
+    generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [1, vocab] -> [1, 1]
+        if generator is None:
+            return logits.argmax(-1, keepdim=True)
+        return torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)
+
     ids = prompt_ids(vocab_size, prompt_len).to(device)  # [1, prompt_len]
     synchronize(device)
     started = time.perf_counter()
+    deadline = max(deadline, started + min_seconds)
     output = model(input_ids=ids, use_cache=True)
-    next_id = output.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    next_id = pick(output.logits[:, -1])  # [1, 1]
     synchronize(device)
     prefill_seconds = time.perf_counter() - started
     cache = _cache_of(output)
@@ -58,7 +75,7 @@ def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size
     for _ in range(tokens):
         output = model(input_ids=next_id, use_cache=True, **{keyword: cache})
         cache = _cache_of(output)
-        next_id = output.logits[:, -1].argmax(-1, keepdim=True)
+        next_id = pick(output.logits[:, -1])
         generated.append(int(next_id))  # int() waits for the device
         if time.perf_counter() > deadline and len(generated) > 2:
             break

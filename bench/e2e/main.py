@@ -25,6 +25,7 @@ from bench.e2e.report import write_results  # noqa: E402
 from bench.e2e.runner import run_contender_budgets  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
 
+SAMPLE_SEED = 1234
 PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
 # time shares: accelerate's disk offload is the slowest per token, resident the fastest
 CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 0.75, "storaged_serial": 1.0}
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per run (fewer when too slow)")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode", choices=("greedy", "sample"), default="greedy",
+                        help="sample: temperature 1 with a fixed seed, so routing varies token to token as with "
+                             "real text (greedy decoding of random weights repeats one token and its experts)")
     parser.add_argument("--ram-overhead-gib", type=float, default=None,
                         help="host RAM allowed beyond the budget for the process itself (default 8 cuda, 3 cpu)")
     parser.add_argument("--torch-threads", type=int, default=None)
@@ -93,7 +97,9 @@ def run(args: argparse.Namespace, results: dict) -> None:
     overhead = int((args.ram_overhead_gib or (3 if args.device == "cpu" else 8)) * 2**30)
     cgroup_problem = cgroup_v2_problem()
     results["statements"] += [
-        f"dtype {dtype}; prompt {args.prompt_len} tokens; up to {args.tokens} decode tokens per run, fewer where a "
+        f"dtype {dtype}; prompt {args.prompt_len} random tokens; {args.decode} decoding"
+        + (f" (temperature 1, seed {SAMPLE_SEED})" if args.decode == "sample" else "") +
+        f"; up to {args.tokens} decode tokens per run, fewer where a "
         f"contender is too slow for its share of the {args.seconds:.0f} s budget (stated per run)",
         "host RAM: " + (f"NOT limited ({cgroup_problem})" if cgroup_problem else
                         f"every contender runs in a cgroup v2 with memory.max = {overhead / 2**30:.1f} GiB + its VRAM "
@@ -125,7 +131,8 @@ def run(args: argparse.Namespace, results: dict) -> None:
                 runs = run_contender_budgets(contender, model, budgets, tokens=args.tokens,
                                              prompt_len=args.prompt_len, seconds=seconds, device=args.device,
                                              dtype=dtype, workdir=args.workdir / "runs", ram_overhead_bytes=overhead,
-                                             torch_threads=args.torch_threads)
+                                             torch_threads=args.torch_threads,
+                                             sample_seed=SAMPLE_SEED if args.decode == "sample" else None)
                 results["e2e"]["runs"] += runs
                 results["errors"] += [f"{r['shape']} {r['contender']} {r['budget_fraction']:.0%}: {r['error']}"
                                       for r in runs if "error" in r]

@@ -31,7 +31,7 @@ def ram_limit_bytes(overhead_bytes: int, budget: int) -> int:
 
 
 def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict, cgroup: MemoryCgroup | None,
-                    deadline: float) -> dict:
+                    deadline: float, share: float) -> dict:
     import torch
 
     from bench.e2e.contenders import ContenderSkipped, budget_bytes, build_contender
@@ -64,7 +64,8 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
             counter.start()
 
         run = timed_generation(built.model, device, vocab_size=vocab, prompt_len=spec["prompt_len"],
-                               tokens=spec["tokens"], deadline=deadline, on_decode_start=on_decode_start)
+                               tokens=spec["tokens"], deadline=deadline, on_decode_start=on_decode_start,
+                               sample_seed=spec.get("sample_seed"), min_seconds=share / 2)
         synchronize(device)
         decode_reads, after = counter.stop(), built.cache_stats()
     finally:
@@ -109,7 +110,8 @@ def child_main(spec_path: Path) -> int:
     for n, fraction in enumerate(spec["budgets"]):
         share = (spec["seconds"] - (time.perf_counter() - started)) / (len(spec["budgets"]) - n)
         try:
-            result = _run_one_budget(spec["contender"], model, fraction, spec, cgroup, time.perf_counter() + share)
+            result = _run_one_budget(spec["contender"], model, fraction, spec, cgroup, time.perf_counter() + share,
+                                     share)
         except Exception as exc:  # noqa: BLE001 - one failed budget is reported, the next still runs
             traceback.print_exc()
             result = {"contender": spec["contender"], "shape": model.shape.name, "budget_fraction": fraction,
@@ -121,7 +123,7 @@ def child_main(spec_path: Path) -> int:
 
 def run_contender_budgets(name: str, model: PreparedModel, budgets: list[float], *, tokens: int, prompt_len: int,
                           seconds: float, device: str, dtype: str, workdir: Path, ram_overhead_bytes: int,
-                          torch_threads: int | None = None) -> list[dict]:
+                          torch_threads: int | None = None, sample_seed: int | None = None) -> list[dict]:
     """`name` at every budget (fractions of the experts) in one child process; `seconds` is shared by
     the budgets (decoding stops early to stay inside it). Missing budgets come back as errors."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ def run_contender_budgets(name: str, model: PreparedModel, budgets: list[float],
     spec = {"contender": name, "model": model.as_dict(), "budgets": budgets, "tokens": tokens,
             "prompt_len": prompt_len, "seconds": seconds, "device": device, "dtype": dtype, "workdir": str(workdir),
             "ram_overhead_bytes": ram_overhead_bytes, "result_path": str(result_path), "torch_threads": torch_threads,
-            "cgroup": str(cgroup.path) if cgroup else None}
+            "cgroup": str(cgroup.path) if cgroup else None, "sample_seed": sample_seed}
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # the child enters the cgroup before it imports anything, so all of its memory is counted
