@@ -22,7 +22,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNorm, KimiLinearTopkRouter
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -197,7 +197,9 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
                 **kwargs) -> MoeCausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        # positions whose logits are wanted (0: all); transformers 5.17 has no slice_logits_to_keep
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden_states = outputs.last_hidden_state[:, keep, :]
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
