@@ -140,7 +140,8 @@ def write_pack(path: Path, geometry: PackGeometry, seed: int) -> PackHeader:
                 pending = []
         index = encode_index(layers, entries, len(roles))
         header = PackHeader(
-            version_major=C.VERSION_MAJOR, version_minor=0,  # a 1.0 pack: GGML types only header_size=C.HEADER_SIZE,
+            # minor 0: the bench writes GGML types only, a 1.0 pack
+            version_major=C.VERSION_MAJOR, version_minor=0, header_size=C.HEADER_SIZE,
             alignment=C.ALIGNMENT, role_alignment=C.ROLE_ALIGNMENT, layer_count=len(layers),
             expert_count=geometry.experts, roles_per_object=len(roles), flags=0,
             index_offset=C.HEADER_SIZE, index_size=len(index), data_offset=data_offset,
