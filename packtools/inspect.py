@@ -12,6 +12,7 @@ from packtools.pack import ElementType, ObjectChecksumError, Role
 def summarize(bundle: Bundle) -> dict:
     """A JSON-ready summary of a bundle's model, experts and files."""
     config, experts, pack = bundle.config, bundle.experts, bundle.pack
+    text = config.get("text_config") or config  # multimodal wrappers (Kimi-K3) nest the text model's keys
     sizes = [obj.size for obj in pack]
     first = pack.objects[0]
     return {
@@ -19,8 +20,8 @@ def summarize(bundle: Bundle) -> dict:
         "model_type": bundle.manifest.get("model_type"),
         "architectures": config.get("architectures"),
         "source": {k: bundle.manifest["source"].get(k) for k in ("kind",)},
-        "hidden_size": config.get("hidden_size"),
-        "num_layers": config.get("num_hidden_layers"),
+        "hidden_size": text.get("hidden_size"),
+        "num_layers": text.get("num_hidden_layers"),
         "moe_layers": list(pack.layers),
         "num_experts": pack.header.expert_count,
         "top_k": experts.get("top_k"),
