@@ -27,7 +27,7 @@ from packtools.bundle import open_bundle
 from storaged.client import NotFound
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CASES = [("qwen3_moe", "gguf"), ("gpt_oss", "hf"), ("deepseek_v3", "hf")]
+CASES = [("qwen3_moe", "gguf"), ("gpt_oss", "hf"), ("deepseek_v3", "hf"), ("kimi_k3", "hf")]
 
 
 @pytest.fixture(scope="module")
