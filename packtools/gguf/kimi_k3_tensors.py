@@ -30,7 +30,7 @@ import torch
 from transformers import PretrainedConfig
 
 from packtools.gguf.errors import TensorMappingError
-from packtools.gguf.tensor_map import DenseRule, Tensors
+from packtools.gguf.tensor_map import DenseRule, Tensors, kv_b_split_join
 
 _LAYER = r"model\.layers\.(?P<bid>\d+)\."
 # MoE layers: `block_sparse_moe.` in the checkpoint, `mlp.` in the kimi_k3 model's state_dict
@@ -155,19 +155,7 @@ def a_log_from_gguf(tensors: Tensors) -> torch.Tensor:
 
 
 def _kv_b_rule(config: PretrainedConfig, name: str, bid: str) -> DenseRule:
-    n_head = config.num_attention_heads
-    nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
-
-    def split(kv_b: torch.Tensor) -> Tensors:  # [n_head*(nope+v), kv_lora]
-        per_head = kv_b.reshape(n_head, nope + v_dim, kv_b.shape[-1])
-        k_b, v_b = torch.split(per_head, [nope, v_dim], dim=1)
-        return k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [n_head, kv_lora, nope], [n_head, v, kv_lora]
-
-    def join(tensors: Tensors) -> torch.Tensor:
-        k_b, v_b = tensors
-        per_head = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [n_head, nope+v, kv_lora]
-        return per_head.reshape(n_head * (nope + v_dim), per_head.shape[-1])
-
+    split, join = kv_b_split_join(config)
     # llama.cpp also loads an unsplit attn_kv_b (TENSOR_SKIP_IF_VIRTUAL); read either form
     unsplit = DenseRule(name, (f"blk.{bid}.attn_kv_b.weight",), _identity_out, _identity_in)
     return DenseRule(name, (f"blk.{bid}.attn_k_b.weight", f"blk.{bid}.attn_v_b.weight"), split, join, fallback=unsplit)

@@ -44,6 +44,26 @@ class DenseRule:
     fallback: DenseRule | None = None
 
 
+def kv_b_split_join(config: PretrainedConfig) -> tuple[Callable[[torch.Tensor], Tensors],
+                                                      Callable[[Tensors], torch.Tensor]]:
+    """MLA's kv_b_proj <-> llama.cpp's (attn_k_b, attn_v_b): the converter splits it per head and
+    transposes k_b for weight absorption."""
+    n_head = config.num_attention_heads
+    nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
+
+    def split(kv_b: torch.Tensor) -> Tensors:  # [n_head*(nope+v), kv_lora]
+        per_head = kv_b.reshape(n_head, nope + v_dim, kv_b.shape[-1])
+        k_b, v_b = torch.split(per_head, [nope, v_dim], dim=1)
+        return k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [n_head, kv_lora, nope], [n_head, v, kv_lora]
+
+    def join(tensors: Tensors) -> torch.Tensor:
+        k_b, v_b = tensors
+        per_head = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [n_head, nope+v, kv_lora]
+        return per_head.reshape(n_head * (nope + v_dim), per_head.shape[-1])
+
+    return split, join
+
+
 def _identity_out(tensor: torch.Tensor) -> Tensors:
     return (tensor,)
 
@@ -127,20 +147,8 @@ class TensorMapper:
         )
 
     def _kv_b_rule(self, hf_name: str, name: str) -> DenseRule:
-        n_head = self.config.num_attention_heads
-        nope, v_dim = self.config.qk_nope_head_dim, self.config.v_head_dim
         names = tuple(self.gguf_name(name.replace("kv_b_proj", part)) for part in ("k_b_proj", "v_b_proj"))
-
-        def split(kv_b: torch.Tensor) -> Tensors:  # [n_head*(nope+v), kv_lora]
-            per_head = kv_b.reshape(n_head, nope + v_dim, kv_b.shape[-1])
-            k_b, v_b = torch.split(per_head, [nope, v_dim], dim=1)
-            return k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [n_head, kv_lora, nope], [n_head, v, kv_lora]
-
-        def join(tensors: Tensors) -> torch.Tensor:
-            k_b, v_b = tensors
-            per_head = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [n_head, nope+v, kv_lora]
-            return per_head.reshape(n_head * (nope + v_dim), per_head.shape[-1])
-
+        split, join = kv_b_split_join(self.config)
         unsplit = DenseRule(hf_name, (self.gguf_name(name),), _identity_out, _identity_in)
         return DenseRule(hf_name, names, split, join, fallback=unsplit)
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from packtools.arch import config_from_dict, get_arch
-from packtools.arch.errors import HFCheckpointError, MissingCheckpointFile, UnexpectedTensor
+from packtools.arch.errors import MissingCheckpointFile, UnexpectedTensor
 from packtools.arch.hf_experts import ExpertIndex, LocatedTensor
 from packtools.arch.hf_names import RuntimeNames
-from packtools.safetensors_stream import SafetensorsFormatError, read_header
 from packtools.sources.base import DenseTensor
 from packtools.sources.dsv4_formats import DeepseekV4FormatError, check_fp8_pair, dequantize_fp8_blocks, \
     fp8_dequantized_dtype
@@ -87,19 +86,7 @@ class DeepseekV4OfficialSource(HFSource):
         self.spec = get_arch(self._config_dict.get("model_type"))
         self.config = config_from_dict(self._config_dict)
         self._files = self._shard_files()
-        self._headers, located = {}, {}
-        for file in self._files:
-            try:
-                header = read_header(file)
-            except SafetensorsFormatError as exc:
-                raise HFCheckpointError(str(exc)) from None
-            self._headers[file] = header
-            for name, entry in header.tensors.items():
-                if name in located:
-                    raise HFCheckpointError(f"tensor {name!r} is in both {located[name].file.name} and {file.name}")
-                located[name] = LocatedTensor(file, header.data_start, entry)
-        self._check_index_agrees(located)
-        self._located = located
+        located = self._read_headers()
         self._fds: dict[Path, int] = {file: os.open(file, os.O_RDONLY) for file in self._files}
         self._handles: dict[Path, object] = {}
         try:

@@ -57,20 +57,7 @@ class HFSource:
         self.spec = get_arch(self._config_dict.get("model_type"))
         self.config = config_from_dict(self._config_dict)
         self._files = self._shard_files()
-        self._headers = {}
-        located: dict[str, LocatedTensor] = {}
-        for file in self._files:
-            try:
-                header = read_header(file)
-            except SafetensorsFormatError as exc:
-                raise HFCheckpointError(str(exc)) from None
-            self._headers[file] = header
-            for name, entry in header.tensors.items():
-                if name in located:
-                    raise HFCheckpointError(f"tensor {name!r} is in both {located[name].file.name} and {file.name}")
-                located[name] = LocatedTensor(file, header.data_start, entry)
-        self._check_index_agrees(located)
-        self._located = located
+        located = self._read_headers()
         self._names = RuntimeNames(self.config, self.spec)
         kept = {n: loc for n, loc in located.items() if not self._names.is_ignored(n)}
         self.ignored_tensors = sorted(set(located) - set(kept))  # e.g. MTP layers transformers drops
@@ -86,6 +73,25 @@ class HFSource:
         self._fds: dict[Path, int] = {file: os.open(file, os.O_RDONLY) for file in self._files}
 
     # ---- files ----
+    def _read_headers(self) -> dict[str, LocatedTensor]:
+        """Every shard's safetensors header (kept in self._headers); tensor name -> where it lies.
+        Checked: no tensor in two shards, and the index file (if any) agrees."""
+        self._headers = {}
+        located: dict[str, LocatedTensor] = {}
+        for file in self._files:
+            try:
+                header = read_header(file)
+            except SafetensorsFormatError as exc:
+                raise HFCheckpointError(str(exc)) from None
+            self._headers[file] = header
+            for name, entry in header.tensors.items():
+                if name in located:
+                    raise HFCheckpointError(f"tensor {name!r} is in both {located[name].file.name} and {file.name}")
+                located[name] = LocatedTensor(file, header.data_start, entry)
+        self._check_index_agrees(located)
+        self._located = located
+        return located
+
     def _shard_files(self) -> list[Path]:
         index_path = self.path / INDEX_FILE
         if index_path.is_file():
