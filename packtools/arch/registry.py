@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from transformers import AutoConfig, PretrainedConfig
@@ -179,7 +180,10 @@ def config_from_dict(config: dict) -> PretrainedConfig:
     """A transformers config object from config.json contents (aliases and defaults resolved)."""
     model_type = config.get("model_type")
     get_arch(model_type)
-    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    # a deep copy: configs may edit the nested dicts they are given (transformers 5.17's
+    # DeepseekV4Config adds rope_theta and partial_rotary_factor to rope_parameters), which would
+    # change the caller's config.json contents, e.g. the bundle's copy of it
+    kwargs = copy.deepcopy({k: v for k, v in config.items() if k != "model_type"})
     return AutoConfig.for_model(model_type, **kwargs)
 
 

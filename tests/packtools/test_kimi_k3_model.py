@@ -13,10 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
 
 from packtools.arch import config_from_dict, get_arch, tiny_config
 from packtools.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.models.kimi_k3 import KimiK3Config, KimiK3ForCausalLM, official_config_dict
+from packtools.models.kimi_k3.transformers_compat import cache_of, linear_attention_states
 
 TEXT_KEYS = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
              "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_token": 2,
@@ -93,11 +95,11 @@ def test_incremental_decoding_matches_a_full_forward(tiny):
     with torch.no_grad():
         full = tiny(ids[:, :69]).logits[0, -5:]  # predictions after tokens 64..68
         prefix = tiny(ids[:, :65], use_cache=True)
-        steps, cache = [prefix.logits[0, -1]], prefix.cache
+        steps, cache = [prefix.logits[0, -1]], cache_of(prefix)  # `cache` in 5.24, `past_key_values` in 5.17
         for t in range(65, 69):
             out = tiny(ids[:, t:t + 1], cache=cache, use_cache=True)
             steps.append(out.logits[0, -1])
-            cache = out.cache
+            cache = cache_of(out)
     torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-5)
 
 
@@ -155,3 +157,20 @@ def test_without_attention_residuals_the_model_is_a_plain_residual_stack():
         torch.testing.assert_close(model(ids).logits, model.lm_head(model.model.norm(hidden)))
         cached = model.generate(ids, max_new_tokens=4, do_sample=False)
         assert torch.equal(cached, model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # 5.24 says so
+def test_the_cache_is_accepted_and_returned_under_either_transformers_name(tiny):
+    # `cache` (transformers 5.24) and `past_key_values` (5.17, what its generate passes) are one argument
+    ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        results = []
+        for name in ("cache", "past_key_values"):
+            prefix = cache_of(tiny(ids[:, :10], use_cache=True))
+            assert linear_attention_states(prefix, 0)[1] is not None  # layer 0 is KDA: its state was kept
+            out = tiny(ids[:, 10:11], use_cache=True, **{name: prefix})
+            assert cache_of(out).get_seq_length() == 11
+            results.append(out.logits)
+    assert torch.equal(*results)
+    fresh = DynamicCache(config=tiny.config)
+    assert linear_attention_states(fresh, 0) == (None, None) and linear_attention_states(None, 0) == (None, None)

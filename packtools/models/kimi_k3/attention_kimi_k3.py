@@ -23,6 +23,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from packtools.models.kimi_k3.transformers_compat import linear_attention_states
 
 KDA_CONV_ACTIVATION = "silu"  # fixed in K3 (hidden_act is "situ", which only the MLPs use)
 
@@ -81,8 +82,7 @@ class KimiK3DeltaAttention(nn.Module):
                                self.v_proj(hidden_states)], dim=-1).transpose(1, 2)  # [B, 3d, T]
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
                                  self.v_conv1d.weight]).squeeze(1)  # [3d, K]
-        conv_state = cache.get_conv_state(self.layer_idx, state_idx=0) if cache is not None else None
-        recurrent_state = cache.get_recurrent_state(self.layer_idx, state_idx=0) if cache is not None else None
+        conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
         if conv_state is not None and seq_len == 1:
             mixed_qkv = kimi_linear.causal_conv1d_update(mixed_qkv, conv_state, weight=conv_weight,
                                                          activation=KDA_CONV_ACTIVATION)

@@ -23,15 +23,20 @@ from transformers.masking_utils import create_causal_mask, create_recurrent_atte
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNorm, KimiLinearTopkRouter
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNorm
 from transformers.utils import can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from packtools.models.kimi_k3.attention_kimi_k3 import KimiK3DeltaAttention, KimiK3MLAAttention
 from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
-from packtools.models.kimi_k3.moe_kimi_k3 import KimiK3Experts, KimiK3MLP, KimiK3SparseMoeBlock
+from packtools.models.kimi_k3.moe_kimi_k3 import KimiK3Experts, KimiK3MLP, KimiK3SparseMoeBlock, KimiK3TopkRouter
+from packtools.models.kimi_k3.transformers_compat import (
+    accepts_legacy_cache_name,
+    cache_of,
+    mask_cache_kwargs,
+    output_cache_kwargs,
+)
 
 KimiK3RMSNorm = KimiLinearRMSNorm  # same math: float32 normalisation, weight applied in the input dtype
 
@@ -105,7 +110,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     # the official checkpoint is multimodal; this is its language model
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
     _can_record_outputs = {
-        "router_logits": OutputRecorder(KimiLinearTopkRouter, index=0),
+        "router_logits": OutputRecorder(KimiK3TopkRouter, index=0),
         "hidden_states": OutputRecorder(KimiK3DecoderLayer, index=0),
         "attentions": OutputRecorder(KimiK3MLAAttention, index=1),
     }
@@ -127,7 +132,7 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, KimiK3Experts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, KimiLinearTopkRouter):
+        elif isinstance(module, KimiK3TopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
 
@@ -146,7 +151,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_legacy_cache_name
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
@@ -164,7 +169,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         masks = attention_mask
         if not isinstance(masks, dict):
             mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                           "cache": cache, "position_ids": position_ids}
+                           "position_ids": position_ids, **mask_cache_kwargs(cache)}
             masks = {"full_attention": create_causal_mask(**mask_kwargs),
                      "linear_attention": create_recurrent_attention_mask(**mask_kwargs)}
 
@@ -175,7 +180,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if self.config.attn_res_block_size is not None:
             hidden_states = mix_attention_residuals(banked, hidden_states, self.output_attn_res_norm,
                                                     self.output_attn_res_proj)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **output_cache_kwargs(cache))
 
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
@@ -189,7 +194,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_legacy_cache_name
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
@@ -204,7 +209,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, **output_cache_kwargs(cache_of(outputs)),
                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions,
                                          router_logits=outputs.router_logits)
 

@@ -111,13 +111,25 @@ class KimiK3Experts(nn.Module):
         return final
 
 
+class KimiK3TopkRouter(KimiLinearTopkRouter):
+    """Kimi-Linear's sigmoid, group-limited top-k router with its weight [E, H] and e_score_correction_bias [E]
+    always created in float32: transformers 5.24's KimiLinearTopkRouter does so, 5.17's creates them in the
+    default dtype, which from_config(dtype=bfloat16) sets, so the routing weights would be rounded to bf16
+    there (and experts chosen differently from 5.24 and llama.cpp)."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.weight = nn.Parameter(self.weight.data.float())  # a no-op where it already is float32
+        self.e_score_correction_bias = nn.Buffer(self.e_score_correction_bias.float())
+
+
 class KimiK3SparseMoeBlock(nn.Module):
     """Router on the full-width input, routed experts in the latent space, shared experts at full width."""
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
         self.config = config
-        self.gate = KimiLinearTopkRouter(config)
+        self.gate = KimiK3TopkRouter(config)
         self.experts = KimiK3Experts(config)
         self.shared_experts = (
             KimiK3MLP(config, intermediate_size=config.moe_intermediate_size * config.num_shared_experts)
