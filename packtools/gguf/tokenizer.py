@@ -3,7 +3,9 @@
 Writing follows llama.cpp's `_set_vocab_gpt2` (byte-level BPE): the token list padded to the
 model's vocab size with `[PAD<i>]`, token types (CONTROL for special added tokens), then gguf-py's
 own SpecialVocab for merges, special token ids, add_bos/eos and the chat template.
-Reading uses transformers' GGUF tokenizer conversion, then `save_pretrained`.
+Reading rebuilds a byte-level BPE vocabulary from the metadata itself (byte_level_tokenizer, the
+same under every transformers version) and leaves other vocabularies (sentencepiece, unigram) to
+transformers' GGUF tokenizer conversion, then `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from pathlib import Path
 
 import gguf
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-try:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-except ImportError:  # transformers < 5.18 (the lent GPU machine has 5.17) knows no split regexes
-    GGUF_PRE_TOKENIZER_SPLITS = {}
 
+from packtools.gguf.byte_level_tokenizer import (
+    BYTE_LEVEL_MODEL,
+    PRE_TOKENIZER_SPLITS,
+    ByteLevelVocabError,
+    byte_level_tokenizer,
+)
 from packtools.gguf.metadata import Metadata
+from packtools.tokenizers_kimi import GGUF_PRE as KIMI_K2_PRE, apply_kimi_k2_pre_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +90,25 @@ def rebuild_tokenizer(gguf_path: Path, meta: Metadata, out_dir: Path) -> dict:
     model = meta.get(gguf.Keys.Tokenizer.MODEL)
     if model is None:
         return _none(f"{gguf_path.name} has no {gguf.Keys.Tokenizer.MODEL} key: the file carries no tokenizer")
+    pre = meta.get(gguf.Keys.Tokenizer.PRE)
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if model == BYTE_LEVEL_MODEL:
+            tokenizer = byte_level_tokenizer(meta)
+            if pre == KIMI_K2_PRE:  # Moonshot's split regex, and tiktoken's whole pre-token lookup
+                apply_kimi_k2_pre_tokenizer(tokenizer)
+            note = f"rebuilt as a byte-level BPE from tokenizer.ggml.model={model!r}, pre={pre!r}"
+        else:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            note = (f"rebuilt by transformers' GGUF tokenizer conversion from tokenizer.ggml.model={model!r}, "
+                    f"pre={pre!r}")
+    except ByteLevelVocabError as exc:
+        return _none(str(exc))
     except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
-        return _none(
-            f"transformers cannot build a tokenizer from tokenizer.ggml.model={model!r} "
-            f"(pre={meta.get(gguf.Keys.Tokenizer.PRE)!r}): {exc}"
-        )
+        return _none(f"transformers cannot build a tokenizer from tokenizer.ggml.model={model!r} (pre={pre!r}): {exc}")
     written = tokenizer.save_pretrained(str(out_dir))
     files = sorted({Path(p).name for p in written if Path(p).is_file()})
-    pre = meta.get(gguf.Keys.Tokenizer.PRE)
-    note = f"rebuilt by transformers' GGUF tokenizer conversion from tokenizer.ggml.model={model!r}, pre={pre!r}"
-    if model == "gpt2" and pre not in GGUF_PRE_TOKENIZER_SPLITS and pre != GPT2_PRE:
-        note += (f"; transformers has no split regex for pre={pre!r}, so text is pre-split the GPT-2 way, "
+    if model == BYTE_LEVEL_MODEL and pre not in PRE_TOKENIZER_SPLITS and pre not in (GPT2_PRE, KIMI_K2_PRE):
+        note += (f"; no split regex is known for pre={pre!r}, so text is pre-split the GPT-2 way, "
                  "which may tokenize differently from llama.cpp")
     return {"files": files, "origin": GGUF_TOKENIZER_ORIGIN, "note": note}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -23,6 +24,14 @@ from packtools.arch.hf_experts import ExpertIndex, LocatedTensor, RoleRange
 from packtools.arch.hf_names import RuntimeNames
 from packtools.safetensors_stream import DTYPES, SafetensorsFormatError, read_header
 from packtools.sources.base import DenseTensor, ExpertLayout, RoleSlice
+from packtools.tokenizers_kimi import (
+    TiktokenConfigError,
+    TiktokenFormatError,
+    convert_tiktoken_checkpoint,
+    is_tiktoken_checkpoint,
+)
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -184,6 +193,15 @@ class HFSource:
                 copied.append(name)
         if not copied:
             return {"files": [], "origin": "none", "note": f"{self.path} has no tokenizer files"}
+        if is_tiktoken_checkpoint(self.path):  # Kimi: remote code only; AutoTokenizer needs tokenizer.json
+            try:
+                converted = convert_tiktoken_checkpoint(self.path, out_dir)
+            except (TiktokenFormatError, TiktokenConfigError) as exc:
+                log.warning("tiktoken.model not converted: %s", exc)
+                return {"files": copied, "origin": "copied",
+                        "note": f"copied from {self.path}; tiktoken.model not converted: {exc}"}
+            return {"files": sorted(set(copied) | set(converted)), "origin": "converted",
+                    "note": f"copied from {self.path}; {', '.join(converted)} converted from tiktoken.model"}
         return {"files": copied, "origin": "copied", "note": f"copied from {self.path}"}
 
     def identity(self) -> dict:
