@@ -10,7 +10,8 @@ Steps (each its own subcommand; `all` runs them in order):
   convert   llama.cpp's own convert_hf_to_gguf.py --outtype f32, with its vendored gguf-py
   quantize  llama-quantize to the K-quant / MXFP4 cases
   run       llama.cpp (llama_cpp python bindings over the built libllama) evaluates a fixed prompt
-            of token ids, then 32 greedy steps; writes the tokens and the logits of every step
+            of token ids, then 32 greedy steps; writes the tokens and the logits of every step (and,
+            for cases with record_indexer, the lightning indexer's choices: llamacpp_ggml_probe.py)
 
 Usage: /work/venv/bin/python scripts/llamacpp_golden.py all [--work /var/tmp/llamacpp]
 Then: /work/venv/bin/python -m pytest tests/inference/test_llamacpp_golden.py -s -q  (results table)
@@ -19,10 +20,12 @@ Then: /work/venv/bin/python -m pytest tests/inference/test_llamacpp_golden.py -s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,15 +55,19 @@ class Case:
     # which the converter turns into MXFP4 itself (the GGUF is its output, not llama-quantize's)
     expert_format: str = "float"
     prompt: str = "short"  # a key of PROMPTS
+    variant: str = ""  # tells apart cases of one arch and quant whose configs differ (e.g. "topk8")
+    # also record llama.cpp's lightning-indexer choices (DeepSeek-V4's "lid_top_k-<layer>" nodes)
+    record_indexer: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-{self.quant}"
+        return f"{self.arch}-{self.quant}" + (f"-{self.variant}" if self.variant else "")
 
     @property
-    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width, expert format), shared by its quantizations
+    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width, expert format, variant), shared by its quantizations
         width = "wide" if self.sizes["hidden_size"] == WIDE["hidden_size"] else "narrow"
-        return f"{self.arch}-{width}" + ("" if self.expert_format == "float" else f"-{self.expert_format}")
+        return (f"{self.arch}-{width}" + ("" if self.expert_format == "float" else f"-{self.expert_format}")
+                + (f"-{self.variant}" if self.variant else ""))
 
 
 # transformers' DeepseekV3Config does not serialize scoring_func/topk_method; DeepSeek-V3's own
@@ -101,9 +108,13 @@ KIMI_K3_CASES = [
 # DeepSeek-V4 as DeepSeek publishes it (packtools synth --layout official: FP8 dense, FP4 experts);
 # the converter repacks the experts to MXFP4 and, told to (DSV4_DENSE_BF16_FLAG), keeps the
 # dequantized FP8 dense weights exact in BF16 instead of its Q8_0. index_topk 64 exceeds the
-# compressed entries of the prompt: llama.cpp's indexer selection differs (docs/packtools.md).
+# compressed entries of the prompt, so every visible entry is attended; with index_topk 8 the
+# indexer chooses, and llama.cpp breaks ties among equal scores differently from torch.topk, so that
+# case also records llama.cpp's choices (docs/packtools.md, DeepSeek-V4).
 DEEPSEEK_V4_CASES = [
     Case("deepseek_v4", "MXFP4", NARROW, {"index_topk": 64}, expert_format="deepseek-v4-official", prompt="long"),
+    Case("deepseek_v4", "MXFP4", NARROW, {"index_topk": 8}, expert_format="deepseek-v4-official", prompt="long",
+         variant="topk8", record_indexer=True),
 ]
 
 CASES = [
@@ -292,20 +303,24 @@ def quantize(paths: Paths) -> None:
 
 def run_llama(paths: Paths) -> None:
     for case in CASES:
-        _run([sys.executable, __file__, "_run", golden_gguf(case), GOLDEN / f"{case.name}.json", case.prompt],
-             env=_vendored_env(paths))
+        _run([sys.executable, __file__, "_run", golden_gguf(case), GOLDEN / f"{case.name}.json", case.prompt,
+              "record-indexer" if case.record_indexer else "-"], env=_vendored_env(paths))
 
 
-def _run_entry(gguf_path: str, out_json: str, prompt_name: str = "short") -> None:
+def _run_entry(gguf_path: str, out_json: str, prompt_name: str = "short", indexer: str = "-") -> None:
     """Prompt, then NEW_TOKENS greedy steps; logits row i predicts generated token i."""
     import numpy as np
     from llama_cpp import Llama, __version__
 
+    from llamacpp_ggml_probe import EvalRecorder  # noqa: PLC0415  (next to this script)
+
+    recorder = EvalRecorder(INDEXER_NODE_NAME.fullmatch) if indexer == "record-indexer" else None
     f32 = 0  # GGML_TYPE_F32: the default F16 KV cache alone moves logits by ~5e-4 relative
     prompt = PROMPTS[prompt_name]
     n_ctx = 128 if len(prompt) + NEW_TOKENS <= 128 else 256
-    llm = Llama(gguf_path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=1, type_k=f32, type_v=f32,
-                flash_attn=False, verbose=False)
+    with recorder.installed() if recorder else contextlib.nullcontext():
+        llm = Llama(gguf_path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=1, type_k=f32, type_v=f32,
+                    flash_attn=False, verbose=False)
     llm.eval(prompt)
     tokens, rows = [], []
     for _ in range(NEW_TOKENS):
@@ -318,7 +333,36 @@ def _run_entry(gguf_path: str, out_json: str, prompt_name: str = "short") -> Non
     record = {"gguf": Path(gguf_path).name, "gguf_sha256": hashlib.sha256(Path(gguf_path).read_bytes()).hexdigest(),
               "llama_cpp_python": __version__, "llama_cpp_commit": _llama_cpp_commit(),
               "prompt": prompt, "tokens": tokens, "logits": out.with_suffix(".logits.npy").name}
+    if recorder:
+        record["indexer_top_k"] = _save_indexer_choices(recorder, out, len(prompt) + NEW_TOKENS)
     out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+INDEXER_NODE = "lid_top_k-"  # deepseek4.cpp build_lid_top_k: cb(top_k, "lid_top_k", il)
+INDEXER_NODE_NAME = re.compile(re.escape(INDEXER_NODE) + r"\d+")  # not its "... (view)" children
+
+
+class IndexerRecordError(RuntimeError):
+    pass
+
+
+def _save_indexer_choices(recorder, out: Path, n_positions: int) -> dict:
+    """llama.cpp's chosen compressed entries, int32 [layers, positions, index_topk]; row p is the choice
+    of the query at position p (prompt, then each greedy token). Entries a query cannot see yet (early
+    positions) are whatever ggml_top_k picked among -inf scores; llama.cpp masks them afterwards."""
+    import numpy as np
+
+    layers = sorted({int(name.removeprefix(INDEXER_NODE)) for name, _ in recorder.captured})
+    per_layer = []
+    for layer in layers:
+        evals = recorder.take(f"{INDEXER_NODE}{layer}")  # one [1, 1, tokens, k] per decode call
+        per_layer.append(np.concatenate([array.reshape(-1, array.shape[-1]) for array in evals]))
+        if per_layer[-1].shape[0] != n_positions:
+            raise IndexerRecordError(f"{out.name}: layer {layer} has {per_layer[-1].shape[0]} indexer rows "
+                                     f"for {n_positions} evaluated positions")
+    path = out.with_suffix(".indexer.npy")
+    np.save(path, np.stack(per_layer).astype(np.int32))
+    return {"layers": layers, "choices": path.name}
 
 
 def _llama_cpp_commit() -> str:
@@ -338,7 +382,7 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "_convert":
         return _convert_entry(argv[1], argv[2:])
     if argv and argv[0] == "_run":
-        return _run_entry(*argv[1:4])
+        return _run_entry(*argv[1:5])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=[*STEPS, "all"])
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/llamacpp"), help="build and scratch directory")
