@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per run (fewer when too slow)")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--routing", choices=("balanced", "random"), default="balanced",
+                        help="balanced: synthesize routers that spread tokens over the experts as a trained model's "
+                             "do (packtools.synth.gguf_models.balance_routing); random: plain random weights, whose "
+                             "routing collapses onto a few experts")
     parser.add_argument("--decode", choices=("greedy", "sample"), default="greedy",
                         help="sample: temperature 1 with a fixed seed, so routing varies token to token as with "
                              "real text (greedy decoding of random weights repeats one token and its experts)")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace, results: dict) -> None:
     overhead = int((args.ram_overhead_gib or (3 if args.device == "cpu" else 8)) * 2**30)
     cgroup_problem = cgroup_v2_problem()
     results["statements"] += [
-        f"dtype {dtype}; prompt {args.prompt_len} random tokens; {args.decode} decoding"
+        f"dtype {dtype}; {args.routing} routing; prompt {args.prompt_len} random tokens; {args.decode} decoding"
         + (f" (temperature 1, seed {SAMPLE_SEED})" if args.decode == "sample" else "") +
         f"; up to {args.tokens} decode tokens per run, fewer where a "
         f"contender is too slow for its share of the {args.seconds:.0f} s budget (stated per run)",
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace, results: dict) -> None:
         layers, with_bf16, why = _plan(args, shape, PREPARE_SHARE * shape_seconds, "accelerate" in args.contenders)
         results["statements"].append(f"{shape.name}: {why}")
         prep_started = time.perf_counter()
-        model = prepare_model(shape, layers, args.workdir, with_bf16_checkpoint=with_bf16, device=args.device)
+        model = prepare_model(shape, layers, args.workdir, with_bf16_checkpoint=with_bf16, device=args.device,
+                              balanced_routing=args.routing == "balanced")
         results["e2e"]["models"].append(model.as_dict())
         write_results(results, args.out)
         run_seconds = shape_seconds - (time.perf_counter() - prep_started)

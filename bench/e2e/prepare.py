@@ -78,13 +78,15 @@ def write_bf16_checkpoint(bundle_dir: Path, out_dir: Path, device: str) -> None:
 
 
 def prepare_model(shape: ModelShape, layers: int, workdir: Path, *, with_bf16_checkpoint: bool,
-                  device: str = "cpu") -> PreparedModel:
+                  device: str = "cpu", balanced_routing: bool = False) -> PreparedModel:
     """Synthesize, build and (optionally) dequantize `shape` with `layers` layers under workdir/<arch>-<layers>;
     reuses what an earlier call with the same arguments completed."""
     from packtools.build import build_bundle
     from packtools.synth.gguf_cli import synth_gguf_model
 
-    root = workdir / f"{shape.arch}-{shape.hidden}-{shape.experts}x{shape.moe_intermediate}-{shape.expert_type}-{layers}L"
+    routing = "-balanced" if balanced_routing else ""
+    root = workdir / (f"{shape.arch}-{shape.hidden}-{shape.experts}x{shape.moe_intermediate}-{shape.expert_type}"
+                      f"-{layers}L{routing}")
     root.mkdir(parents=True, exist_ok=True)
     gguf_path, bundle_dir, hf_dir = root / "model.gguf", root / "bundle", root / "hf-bf16"
     seconds = {}
@@ -92,7 +94,8 @@ def prepare_model(shape: ModelShape, layers: int, workdir: Path, *, with_bf16_ch
     if not gguf_path.exists():
         partial = root / "model.partial.gguf"
         partial.unlink(missing_ok=True)
-        synth_gguf_model(shape.arch, partial, seed=SEED, expert_type=shape.expert_type, **shape.synth_sizes(layers))
+        synth_gguf_model(shape.arch, partial, seed=SEED, expert_type=shape.expert_type,
+                         balanced_routing=balanced_routing, **shape.synth_sizes(layers))
         partial.rename(gguf_path)
     seconds["synth_gguf"] = time.perf_counter() - started
     started = time.perf_counter()

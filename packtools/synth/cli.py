@@ -31,6 +31,9 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-intermediate-size", type=int, default=None,
                    help="default 32, or 256 when the expert type's block is 256 elements (K-quants)")
     p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--balanced-routing", action="store_true",
+                   help="gguf: routers that spread tokens over the experts like a trained model's (for benchmarks; "
+                        "a plain random model routes nearly every token to the same few experts)")
     p.add_argument("--split-max-tensors", type=int, default=None,
                    help="gguf: write a split set with at most this many tensors per shard")
 
@@ -78,6 +81,8 @@ def run_synth(args) -> Path:
     out = Path(args.output)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; synth never overwrites")
+    if args.balanced_routing and args.format != "gguf":
+        raise ValueError("--balanced-routing exists for --format gguf (the benchmark models)")
     if args.layout == "official":
         return _synth_official(args, out)
     if args.format == "hf":
@@ -88,5 +93,6 @@ def run_synth(args) -> Path:
     from packtools.synth.gguf_cli import synth_gguf_model
 
     files = synth_gguf_model(args.arch, out, seed=args.seed, expert_type=args.expert_type or "F32",
+                             balanced_routing=args.balanced_routing,
                              split_max_tensors=args.split_max_tensors, **_sizes(args))
     return files[0]

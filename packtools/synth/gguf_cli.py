@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packtools.synth.gguf_models import (
+    balance_routing,
     expert_bytes,
     random_dense_state,
     random_expert_values,
@@ -33,17 +34,27 @@ def synth_gguf_model(
     split_max_tensors: int | None = None,
     num_layers: int | None = None,
     stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD,
+    balanced_routing: bool = False,
     **sizes,
 ) -> list[Path]:
-    """Write a random `arch` model (sizes as packtools.arch.tiny_config's) as GGUF; returns its file(s)."""
+    """Write a random `arch` model (sizes as packtools.arch.tiny_config's) as GGUF; returns its file(s).
+
+    balanced_routing: route like a trained model (gguf_models.balance_routing), for benchmarks."""
     config = tiny_config_with(arch, num_layers=num_layers, **sizes)
     tokenizer = build_tokenizer(config.vocab_size)
     kind = element_type(expert_type)
     common = dict(expert_type=kind, dense_type=dense_type, split_max_tensors=split_max_tensors, tokenizer=tokenizer)
     if expert_bytes(config, kind) <= stream_threshold_bytes:
         model = tiny_random_model(arch, seed=seed, num_layers=num_layers, **sizes)
+        if balanced_routing:
+            state = dict(model.state_dict())
+            balance_routing(state, config, seed)
+            model.load_state_dict(state)
         return synth_gguf(arch, out_path, model=model, **common)
+    state = random_dense_state(config, seed)
+    if balanced_routing:
+        balance_routing(state, config, seed)
     return synth_gguf(
-        arch, out_path, config=config, state_dict=random_dense_state(config, seed),
+        arch, out_path, config=config, state_dict=state,
         expert_values=random_expert_values(config, kind, seed), **common,
     )
