@@ -34,105 +34,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden" / "llamacpp"
 SDIST_VERSION = "0.3.36"
-NEW_TOKENS = 32
-PROMPT = [1, 17, 305, 88, 421, 42, 260, 133, 77, 499, 12, 301]  # fixed token ids, vocab 512
-NARROW = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4}  # F32 and MXFP4 cases
-WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quants: 256-element rows
-# DeepSeek-V4's heavily compressed layers pool 128 tokens into one entry (llama.cpp accepts no other
-# ratio), so its prompt is long enough to fill one and to slide far past the window of 16
-LONG_PROMPT = [1] + [(17 * i * i + 31 * i) % 509 + 3 for i in range(149)]
-PROMPTS = {"short": PROMPT, "long": LONG_PROMPT}
 
+# the case tables live beside this script; loaded by path (tests do), its folder is not on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_cases import (  # noqa: E402
+    CASES,
+    CONVERTER_CONFIG_KEYS,
+    DEEPSEEK_V4_CASES,
+    K3_LAYERS,
+    K3_USERS_Q2_K,
+    KIMI_K3_CASES,
+    LONG_PROMPT,
+    NARROW,
+    NEW_TOKENS,
+    OLMOE_MHA,
+    PROMPT,
+    PROMPTS,
+    WIDE,
+    Case,
+)
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    arch: str
-    quant: str  # "F32" (converter output as is) or a llama-quantize ftype name
-    sizes: dict
-    overrides: dict = dataclasses.field(default_factory=dict)  # config attributes of the random model
-    quantize_args: tuple[str, ...] = ()  # llama-quantize options, e.g. --tensor-type per tensor
-    # "float", or "compressed-tensors-mxfp4": experts stored as the official Kimi-K3 checkpoint does,
-    # which the converter turns into MXFP4 itself (the GGUF is its output, not llama-quantize's)
-    expert_format: str = "float"
-    prompt: str = "short"  # a key of PROMPTS
-    variant: str = ""  # tells apart cases of one arch and quant whose configs differ (e.g. "topk8")
-    # also record llama.cpp's lightning-indexer choices (DeepSeek-V4's "lid_top_k-<layer>" nodes)
-    record_indexer: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.arch}-{self.quant}" + (f"-{self.variant}" if self.variant else "")
-
-    @property
-    def checkpoint(self) -> str:  # one HF checkpoint per (arch, width, expert format, variant), shared by its quantizations
-        width = "wide" if self.sizes["hidden_size"] == WIDE["hidden_size"] else "narrow"
-        return (f"{self.arch}-{width}" + ("" if self.expert_format == "float" else f"-{self.expert_format}")
-                + (f"-{self.variant}" if self.variant else ""))
-
-
-# transformers' DeepseekV3Config does not serialize scoring_func/topk_method; DeepSeek-V3's own
-# config.json has them, and without scoring_func the converter writes no expert_gating_func, which
-# llama.cpp then reads as softmax (DeepSeek-V2 routing).
-def _deepseek_v3_keys(config: dict) -> dict:
-    return {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
-
-
-def _kimi_linear_keys(config: dict) -> dict:
-    """Moonshot's own config.json spellings, which the converter reads (transformers renamed them)."""
-    layer_numbers = range(1, config["num_hidden_layers"] + 1)  # Moonshot counts layers from 1
-    kinds = dict(zip(layer_numbers, config["layer_types"]))
-    linear = {**config["linear_attn_config"],
-              "full_attn_layers": [n for n, kind in kinds.items() if kind == "full_attention"],
-              "kda_layers": [n for n, kind in kinds.items() if kind == "linear_attention"]}
-    return {"linear_attn_config": linear, "first_k_dense_replace": 0, "moe_router_activation_func": "sigmoid"}
-
-
-CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "kimi_linear": _kimi_linear_keys}
-# llama.cpp's OLMoE graph sizes attn_k_norm as n_embd, i.e. assumes n_kv_heads == n_heads (true of
-# OLMoE-1B-7B); transformers sizes it head_dim * n_kv_heads.
-OLMOE_MHA = {"num_key_value_heads": 4}
-
-# Kimi-K3 as users hold it: llama.cpp's converter output (F32), the common Q2_K quantization with
-# Q2_K gate/up and Q3_K down experts, and MXFP4 experts from the official compressed-tensors
-# checkpoint. 4 layers: a dense first layer, KDA and MLA layers, two attention-residual blocks.
-# The wide case's latent width is 256 so that expert rows are whole K-quant blocks.
-K3_LAYERS = {"num_layers": 4}
-K3_USERS_Q2_K = ("--tensor-type", "ffn_gate_exps=q2_k", "--tensor-type", "ffn_up_exps=q2_k",
-                 "--tensor-type", "ffn_down_exps=q3_k")
-KIMI_K3_CASES = [
-    Case("kimi_k3", "F32", {**NARROW, **K3_LAYERS}),
-    Case("kimi_k3", "Q2_K", {**WIDE, **K3_LAYERS}, {"routed_expert_hidden_size": 256}, quantize_args=K3_USERS_Q2_K),
-    Case("kimi_k3", "MXFP4", {**NARROW, **K3_LAYERS}, expert_format="compressed-tensors-mxfp4"),
-]
-
-# DeepSeek-V4 as DeepSeek publishes it (packtools synth --layout official: FP8 dense, FP4 experts);
-# the converter repacks the experts to MXFP4 and, told to (DSV4_DENSE_BF16_FLAG), keeps the
-# dequantized FP8 dense weights exact in BF16 instead of its Q8_0. index_topk 64 exceeds the
-# compressed entries of the prompt, so every visible entry is attended; with index_topk 8 the
-# indexer chooses, and llama.cpp breaks ties among equal scores differently from torch.topk, so that
-# case also records llama.cpp's choices (docs/packtools.md, DeepSeek-V4).
-DEEPSEEK_V4_CASES = [
-    Case("deepseek_v4", "MXFP4", NARROW, {"index_topk": 64}, expert_format="deepseek-v4-official", prompt="long"),
-    Case("deepseek_v4", "MXFP4", NARROW, {"index_topk": 8}, expert_format="deepseek-v4-official", prompt="long",
-         variant="topk8", record_indexer=True),
-]
-
-CASES = [
-    Case("qwen3_moe", "F32", NARROW),
-    Case("qwen2_moe", "F32", NARROW),
-    Case("mixtral", "F32", NARROW),
-    Case("olmoe", "F32", NARROW, OLMOE_MHA),
-    Case("deepseek_v3", "F32", NARROW),
-    Case("gpt_oss", "F32", NARROW),
-    Case("kimi_linear", "F32", NARROW),
-    Case("gpt_oss", "MXFP4_MOE", NARROW),
-    Case("qwen3_moe", "Q4_K_S", WIDE),
-    Case("mixtral", "Q3_K_S", WIDE),
-    Case("deepseek_v3", "Q2_K", WIDE),
-    *KIMI_K3_CASES,
-    *DEEPSEEK_V4_CASES,
-]
-
+# what tests and tests/golden/kimi_tokenizer/regenerate.py read from this module, cases included
+__all__ = ["CASES", "CONVERTER_CONFIG_KEYS", "DEEPSEEK_V4_CASES", "K3_LAYERS", "K3_USERS_Q2_K", "KIMI_K3_CASES",
+           "LONG_PROMPT", "NARROW", "NEW_TOKENS", "OLMOE_MHA", "PROMPT", "PROMPTS", "WIDE", "Case", "Paths",
+           "golden_gguf", "main", "write_checkpoint"]
 
 @dataclasses.dataclass(frozen=True)
 class Paths:
