@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from packtools.arch import config_from_dict, get_arch
-from packtools.arch.errors import MissingCheckpointFile, UnexpectedTensor
-from packtools.arch.hf_experts import ExpertIndex, LocatedTensor
-from packtools.arch.hf_names import RuntimeNames
+from packtools.arch.hf_experts import LocatedTensor
 from packtools.sources.base import DenseTensor
 from packtools.sources.dsv4_formats import DeepseekV4FormatError, check_fp8_pair, dequantize_fp8_blocks, \
     fp8_dequantized_dtype
@@ -76,40 +72,14 @@ def pair_fp8_dense(located: dict[str, LocatedTensor], is_expert: Callable[[str],
 class DeepseekV4OfficialSource(HFSource):
     """HFSource over DeepSeek's published DeepSeek-V4 layout (FP8 dense, FP4 experts)."""
 
-    def __init__(self, path: Path | str):
-        # HFSource's opening steps, with the FP8 pairing between indexing and dense planning
-        self.path = Path(path)
-        config_path = self.path / CONFIG_FILE
-        if not config_path.is_file():
-            raise MissingCheckpointFile(config_path, "the Hugging Face config")
-        self._config_dict = json.loads(config_path.read_text())
-        self.spec = get_arch(self._config_dict.get("model_type"))
-        self.config = config_from_dict(self._config_dict)
-        self._files = self._shard_files()
-        located = self._read_headers()
-        self._fds: dict[Path, int] = {file: os.open(file, os.O_RDONLY) for file in self._files}
-        self._handles: dict[Path, object] = {}
-        try:
-            self._index(located)
-        except BaseException:
-            self.close()
-            raise
-
-    def _index(self, located: dict[str, LocatedTensor]) -> None:
-        self._names = RuntimeNames(self.config, self.spec)
-        kept = {n: loc for n, loc in located.items() if not self._names.is_ignored(n)}
-        self.ignored_tensors = sorted(set(located) - set(kept))  # the MTP layers
-        self._experts = ExpertIndex(self.spec, self.config, kept)
+    def _dense_tensor_names(self, kept: dict[str, LocatedTensor]) -> list[str]:
+        """Dense weights without their FP8 block scales; pairs each FP8 weight with its scale."""
         pairs = pair_fp8_dense(kept, lambda name: name in self._experts.expert_tensor_names)
         # the scales are tiny ([out/128, in/128] bytes): read now to fix each tensor's exact dtype
         self._fp8 = {name: dataclasses.replace(pair, dtype=fp8_dequantized_dtype(
             pair.scale, HFSource._get_tensor(self, pair.scale))) for name, pair in pairs.items()}
         scales = {pair.scale for pair in self._fp8.values()}
-        dense_names = [n for n in kept if n not in self._experts.expert_tensor_names and n not in scales]
-        self._dense_plans = self._names.plan(dense_names)
-        missing = self._names.missing(self._dense_plans)
-        if missing:
-            raise UnexpectedTensor(f"the checkpoint lacks dense weights the model needs: {missing[:8]}")
+        return [n for n in kept if n not in self._experts.expert_tensor_names and n not in scales]
 
     def _get_tensor(self, name: str) -> torch.Tensor:
         pair = self._fp8.get(name)

@@ -67,19 +67,32 @@ class HFSource:
         self.config = config_from_dict(self._config_dict)
         self._files = self._shard_files()
         located = self._read_headers()
+        self._handles: dict[Path, object] = {}
+        # opened up front so concurrent expert reads (os.pread is thread-safe) share them race-free;
+        # indexing may already read small tensors (DeepSeek's FP8 scales)
+        self._fds: dict[Path, int] = {file: os.open(file, os.O_RDONLY) for file in self._files}
+        try:
+            self._index(located)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, located: dict[str, LocatedTensor]) -> None:
+        """Split the checkpoint's tensors into routed experts and planned dense weights."""
         self._names = RuntimeNames(self.config, self.spec)
         kept = {n: loc for n, loc in located.items() if not self._names.is_ignored(n)}
         self.ignored_tensors = sorted(set(located) - set(kept))  # e.g. MTP layers transformers drops
         self._experts = ExpertIndex(self.spec, self.config, kept)
-        dense_names = [n for n in kept if n not in self._experts.expert_tensor_names]
-        self._dense_plans = self._names.plan(dense_names)
+        self._dense_plans = self._names.plan(self._dense_tensor_names(kept))
         missing = self._names.missing(self._dense_plans)
         if missing:
             raise UnexpectedTensor(f"the checkpoint lacks dense weights the model needs: {missing[:8]}"
                                    + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        self._handles: dict[Path, object] = {}
-        # opened up front so concurrent expert reads (os.pread is thread-safe) share them race-free
-        self._fds: dict[Path, int] = {file: os.open(file, os.O_RDONLY) for file in self._files}
+
+    def _dense_tensor_names(self, kept: dict[str, LocatedTensor]) -> list[str]:
+        """The checkpoint tensors that are dense weights (a layout with companion tensors, such as
+        block scales, leaves those out)."""
+        return [n for n in kept if n not in self._experts.expert_tensor_names]
 
     # ---- files ----
     def _read_headers(self) -> dict[str, LocatedTensor]:
