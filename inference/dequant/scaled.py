@@ -83,11 +83,9 @@ def dequantize_scaled(
 
     float32 results are exact (see torch_scaled); other dtypes are that result rounded once.
     """
-    wtype, wdims, wbytes, stype, sdims, sbytes, group = check_scaled_types_and_shapes(
+    wtype, wdims, wbytes, stype, sdims, sbytes, _ = check_scaled_types_and_shapes(
         weight_type, weight_shape, scale_type, scale_shape)
-    check_out_dtype(out_dtype)
-    _check_backend(wtype, backend)
-    pairs = []
+    rows = []
     for raw, qtype, dims, nbytes, what in ((weight_raw, wtype, wdims, wbytes, "weight_raw"),
                                            (scale_raw, stype, sdims, sbytes, "scale_raw")):
         raw = check_raw(raw, what)
@@ -95,10 +93,9 @@ def dequantize_scaled(
             raise RawTensorError(f"{what} must be 1-D bytes, got shape {tuple(raw.shape)}")
         if raw.numel() != nbytes:
             raise ByteLengthError(qtype.name, dims, nbytes, raw.numel(), what)
-        pairs.append(raw.reshape(1, nbytes))
-    if pairs[0].device != pairs[1].device:
-        raise RawTensorError(f"weight_raw is on {pairs[0].device}, scale_raw on {pairs[1].device}")
-    return _dequantize_rows(pairs[0], pairs[1], wtype, stype, wdims, group, out_dtype)[0]
+        rows.append(raw.reshape(1, nbytes))
+    return dequantize_scaled_many(rows[0], rows[1], weight_type, weight_shape, scale_type, scale_shape,
+                                  out_dtype, backend)[0]
 
 
 def dequantize_scaled_many(
