@@ -37,6 +37,9 @@ class BuiltContender:
     notes: list[str]
     cache_stats: Callable[[], tuple[int, int] | None] = lambda: None  # (hits, misses) so far
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    # host RAM the contender allocated as its own expert cache (storaged's host tier): part of its
+    # RAM budget already, so the page cache gets only the rest of the budget
+    host_cache_bytes: int = 0
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -142,7 +145,7 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
         return vram.hits, vram.misses
 
     return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, cache_stats=cache_stats,
-                          closers=[daemon.stop, loaded.close, loaded.expert_source.close])
+                          closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes)
 
 
 def build_contender(name: str, model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,

@@ -22,13 +22,16 @@ from bench.e2e.contenders import CONTENDERS  # noqa: E402
 from bench.e2e.measure import cgroup_v2_problem  # noqa: E402
 from bench.e2e.prepare import prepare_model, remove_model  # noqa: E402
 from bench.e2e.report import write_results  # noqa: E402
-from bench.e2e.runner import run_contender_budgets  # noqa: E402
+from bench.e2e.runner import RAM_SLACK_BYTES, run_contender_budgets  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
 
 SAMPLE_SEED = 1234
 PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
 # time shares: accelerate's disk offload is the slowest per token, resident the fastest
 CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 0.75, "storaged_serial": 1.0}
+# run order: a contender's share is of the time left, so the slowest goes last and gets what the
+# faster ones did not use
+RUN_ORDER = ("resident", "storaged", "storaged_serial", "gguf_mmap", "accelerate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -106,31 +109,33 @@ def run(args: argparse.Namespace, results: dict) -> None:
         f"; up to {args.tokens} decode tokens per run, fewer where a "
         f"contender is too slow for its share of the {args.seconds:.0f} s budget (stated per run)",
         "host RAM: " + (f"NOT limited ({cgroup_problem})" if cgroup_problem else
-                        f"every contender runs in a cgroup v2 with memory.max = {overhead / 2**30:.1f} GiB + its VRAM "
-                        "budget's bytes (page cache included, swap off)"),
+                        "every contender runs in a cgroup v2 (page cache included, swap off): memory.max = "
+                        f"{overhead / 2**30:.1f} GiB + the budget while it loads and warms up, then, for the timed "
+                        "run, what it holds itself (memory.current without page cache) + its VRAM budget's bytes "
+                        f"(less its own host cache: storaged's host tier) + {RAM_SLACK_BYTES // 2**20} MiB slack, so "
+                        "no contender keeps more than the budget of experts in host RAM"),
         "every budget is a cold start: page cache dropped, fresh daemon / model; one untimed 2-token forward warms "
         "kernels first",
     ]
-    weights = sum(CONTENDER_WEIGHT[c] for c in args.contenders)
+    contenders = sorted(args.contenders, key=RUN_ORDER.index)
     for n, shape in enumerate(shapes):
         left = args.seconds - (time.perf_counter() - started)
         shape_seconds = left / (len(shapes) - n)
         shape_deadline = time.perf_counter() + shape_seconds
         layers, with_bf16, why = _plan(args, shape, PREPARE_SHARE * shape_seconds, "accelerate" in args.contenders)
         results["statements"].append(f"{shape.name}: {why}")
-        prep_started = time.perf_counter()
         model = prepare_model(shape, layers, args.workdir, with_bf16_checkpoint=with_bf16, device=args.device,
                               balanced_routing=args.routing == "balanced")
         results["e2e"]["models"].append(model.as_dict())
         write_results(results, args.out)
-        run_seconds = shape_seconds - (time.perf_counter() - prep_started)
         try:
-            for contender in args.contenders:
+            for n_done, contender in enumerate(contenders):
                 left_for_shape = shape_deadline - time.perf_counter()
                 if left_for_shape < 10:
                     results["errors"].append(f"{shape.name} {contender}: not run, the time budget is spent")
                     continue
-                seconds = min(left_for_shape, max(5.0, run_seconds * CONTENDER_WEIGHT[contender] / weights))
+                weights_left = sum(CONTENDER_WEIGHT[c] for c in contenders[n_done:])
+                seconds = max(5.0, left_for_shape * CONTENDER_WEIGHT[contender] / weights_left)
                 # largest budget first: the fast runs finish even where a slow one runs out of time
                 budgets = [1.0] if contender == "resident" else sorted(args.budgets, reverse=True)
                 runs = run_contender_budgets(contender, model, budgets, tokens=args.tokens,

@@ -113,6 +113,11 @@ class MemoryCgroup:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
+    def usage(self) -> tuple[int, int]:
+        """(memory.current, the reclaimable page cache in it) in bytes."""
+        current = int((self.path / "memory.current").read_text())
+        return current, page_cache_bytes((self.path / "memory.stat").read_text())
+
     def peak_bytes(self) -> int | None:
         peak = self.path / "memory.peak"
         return int(peak.read_text()) if peak.exists() else None
@@ -122,6 +127,31 @@ class MemoryCgroup:
             self.path.rmdir()
         except OSError:
             pass  # a process is still inside; the kernel keeps it until then
+
+
+PAGE_CACHE_KEYS = ("active_file", "inactive_file")  # memory.stat: file-backed LRU pages (shmem is not on them)
+
+
+def page_cache_bytes(memory_stat: str) -> int:
+    """The reclaimable page cache of a cgroup v2 memory.stat text (active_file + inactive_file)."""
+    fields = dict(line.split(maxsplit=1) for line in memory_stat.splitlines() if line.strip())
+    missing = [key for key in PAGE_CACHE_KEYS if key not in fields]
+    if missing:
+        raise ValueError(f"memory.stat has no {', '.join(missing)} line")
+    return sum(int(fields[key]) for key in PAGE_CACHE_KEYS)
+
+
+def budget_ram_limit(current_bytes: int, page_cache: int, budget: int, own_cache_bytes: int, slack: int) -> int:
+    """memory.max for the timed part of a run: what the contender holds itself (its memory.current
+    without the page cache: interpreter, CUDA context, dense weights, pinned buffers, storaged's host
+    tier) plus the rest of the RAM budget for the page cache, plus `slack` for growth while it runs.
+    The budget is the VRAM budget's bytes; a contender's own host cache (`own_cache_bytes`) counts
+    against it, so storaged's host tier and a GGUF mmap's page cache get the same bytes."""
+    if not 0 <= page_cache <= current_bytes:
+        raise ValueError(f"page cache {page_cache} bytes outside memory.current {current_bytes}")
+    if min(budget, own_cache_bytes, slack) < 0:
+        raise ValueError(f"negative byte count: budget {budget}, own cache {own_cache_bytes}, slack {slack}")
+    return current_bytes - page_cache + max(0, budget - own_cache_bytes) + slack
 
 
 def drop_page_cache() -> bool:
