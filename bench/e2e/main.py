@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,13 +23,14 @@ from bench.e2e.contenders import CONTENDERS  # noqa: E402
 from bench.e2e.measure import cgroup_v2_problem  # noqa: E402
 from bench.e2e.prepare import prepare_model, remove_model  # noqa: E402
 from bench.e2e.report import write_results  # noqa: E402
-from bench.e2e.runner import RAM_SLACK_BYTES, run_contender_budgets  # noqa: E402
+from bench.e2e.runner import KILL_GRACE_SECONDS, RAM_SLACK_BYTES, run_contender_budgets  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
 
 SAMPLE_SEED = 1234
 PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
 # time shares: accelerate's disk offload is the slowest per token, resident the fastest
-CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 0.75, "storaged_serial": 1.0}
+# (storaged gets a full share: with balanced routing its low budgets are disk-bound too)
+CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 1.0, "storaged_serial": 1.0}
 # run order: a contender's share is of the time left, so the slowest goes last and gets what the
 # faster ones did not use
 RUN_ORDER = ("resident", "storaged", "storaged_serial", "gguf_mmap", "accelerate")
@@ -119,6 +121,9 @@ def run(args: argparse.Namespace, results: dict) -> None:
     ]
     contenders = sorted(args.contenders, key=RUN_ORDER.index)
     for n, shape in enumerate(shapes):
+        if _terminated:
+            results["errors"].append(f"{shape.name}: not run, the time budget is spent")
+            continue
         left = args.seconds - (time.perf_counter() - started)
         shape_seconds = left / (len(shapes) - n)
         shape_deadline = time.perf_counter() + shape_seconds
@@ -131,11 +136,14 @@ def run(args: argparse.Namespace, results: dict) -> None:
         try:
             for n_done, contender in enumerate(contenders):
                 left_for_shape = shape_deadline - time.perf_counter()
-                if left_for_shape < 10:
+                if left_for_shape < 10 or _terminated:
                     results["errors"].append(f"{shape.name} {contender}: not run, the time budget is spent")
                     continue
                 weights_left = sum(CONTENDER_WEIGHT[c] for c in contenders[n_done:])
-                seconds = max(5.0, left_for_shape * CONTENDER_WEIGHT[contender] / weights_left)
+                # the child may overrun its seconds by KILL_GRACE_SECONDS (shutdown, result file): the last
+                # one must still end inside the shape's time, or run_all.sh's timeout loses its figures
+                seconds = max(5.0, min(left_for_shape - KILL_GRACE_SECONDS - 5,
+                                       left_for_shape * CONTENDER_WEIGHT[contender] / weights_left))
                 # largest budget first: the fast runs finish even where a slow one runs out of time
                 budgets = [1.0] if contender == "resident" else sorted(args.budgets, reverse=True)
                 runs = run_contender_budgets(contender, model, budgets, tokens=args.tokens,
@@ -152,8 +160,21 @@ def run(args: argparse.Namespace, results: dict) -> None:
                 remove_model(model)
 
 
+class TimeBudgetExceeded(Exception):
+    """SIGTERM, from run_all.sh's timeout: what was measured so far is still written."""
+
+
+_terminated: list[int] = []  # the signal, once received: no contender starts after it
+
+
+def _raise_time_budget_exceeded(signum, frame) -> None:
+    _terminated.append(signum)
+    raise TimeBudgetExceeded(f"signal {signum}: the e2e matrix ran past its time limit")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_time_budget_exceeded)
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "machine": machine_figures(args.machine_json), "statements": [], "warnings": [], "errors": [],

@@ -165,6 +165,8 @@ def run_contender_budgets(name: str, model: PreparedModel, budgets: list[float],
                                     timeout=seconds + KILL_GRACE_SECONDS).returncode
         except subprocess.TimeoutExpired:
             status = "timed out"
+        except Exception as exc:  # noqa: BLE001 - e.g. main's SIGTERM: subprocess.run killed the child; keep its budgets
+            status = f"interrupted: {exc}"
     if cgroup is not None:
         cgroup.close()
     results = json.loads(result_path.read_text()) if result_path.exists() else []
