@@ -24,7 +24,9 @@ failed=0
 started=$SECONDS
 { date -u +%FT%TZ; uname -a; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   nproc; free -g | sed -n 2p; df -h "$(dirname "$WORKDIR")" | tail -1
-  git rev-parse HEAD 2>/dev/null || true; } > "$OUT/machine.txt"
+  # a snapshot (git archive) has no .git of its own: its COMMIT file names what it was made from
+  if [[ -f COMMIT ]]; then echo "commit $(cat COMMIT)"; else echo "commit $(git rev-parse HEAD 2>/dev/null)"; fi
+} > "$OUT/machine.txt"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         2>&1 | tee "$OUT/install.log" || failed=1
@@ -33,7 +35,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import sys, torch, transformers, grpc, google.protobuf as pb, gguf
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__,
-      'gguf', gguf.__version__ if hasattr(gguf, '__version__') else '?')" >> "$OUT/machine.txt" 2>&1
+      'gguf', __import__('importlib.metadata').metadata.version('gguf'))" >> "$OUT/machine.txt" 2>&1
 echo "=== install: $((SECONDS - started)) s"
 
 # (2) machine limits + storaged alone: a 4 GiB pack of 13 MiB objects, 3 s per throughput run;

@@ -64,10 +64,16 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
     try:
         notes += built.notes
         vocab = built.model.config.vocab_size
+        counter = ReadCounter(block_device_stat(model.bundle_dir), list(built.reader_pids))
+        counter.start()
         warm_up(built.model, device, vocab)
+        result["warm_up_reads"] = counter.stop()
+        # the warm-up's page faults read ahead far beyond the experts it used (a whole 4 GB GGUF at
+        # 100%, second GPU session): dropped, so only a contender's own cache (storaged's VRAM slots of
+        # the warm-up's 4 tokens, reported in warm_up_reads) starts the timed run warm
+        result["page_cache_dropped_after_warm_up"] = drop_page_cache()
         if cgroup is not None:
             _tighten_ram_limit(cgroup, budget, built.host_cache_bytes, result)
-        counter = ReadCounter(block_device_stat(model.bundle_dir), list(built.reader_pids))
         counter.start()  # prefill reads are counted separately from decode's
         before = built.cache_stats()
         marks = {}

@@ -107,3 +107,45 @@ def test_plan_layers_refuses_when_nothing_fits():
 def test_run_all_script_is_valid_bash():
     done = subprocess.run(["bash", "-n", str(REPO / "bench" / "run_all.sh")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_snapshot_holds_the_committed_tree_and_names_its_commit(tmp_path):
+    dest = tmp_path / "snap"
+    done = subprocess.run(["bash", str(REPO / "bench" / "snapshot.sh"), str(dest)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert (dest / "COMMIT").read_text().strip() == head
+    tracked = subprocess.run(["git", "ls-files", "bench"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert tracked and all((dest / path).exists() for path in tracked)
+    assert not (dest / ".git").exists()
+
+
+def test_sigterm_mid_matrix_keeps_what_was_measured(disk_dir):
+    """run_all.sh's timeout sends SIGTERM: the runs finished so far are written, the rest are stated
+    as not run, and no further contender starts."""
+    import signal
+    import time
+
+    out = disk_dir / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.e2e.main", "--device", "cpu", "--tiny", "--out", str(out), "--workdir",
+         str(disk_dir / "work"), "--seconds", "400", "--tokens", "2", "--prompt-len", "8", "--budgets", "1.0",
+         "--contenders", "resident", "storaged", "gguf_mmap", "--torch-threads", "1"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # until the first contender's figures are written
+            path = out / "results.json"
+            if path.exists() and json.loads(path.read_text())["e2e"]["runs"]:
+                break
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 1
+    finally:
+        process.kill()
+    results = json.loads((out / "results.json").read_text())
+    measured = [r for r in results["e2e"]["runs"] if "decode_tok_s" in r]
+    assert measured and measured[0]["contender"] == "resident"
+    assert any("not run, the time budget is spent" in e for e in results["errors"]), results["errors"]
+    assert "DeepSeek-V4-Flash-like (tiny): not run, the time budget is spent" in results["errors"]
