@@ -249,8 +249,11 @@ def test_interrupted_build_leaves_nothing(tmp_path, signum, code):
     (source,) = synth_gguf_model("qwen3_moe", tmp_path / "big.gguf", seed=3, expert_type="Q8_0", hidden_size=1024,
                                  moe_intermediate_size=1024, num_experts=96, num_layers=2, stream_threshold_bytes=0)
     out = tmp_path / "bundle"
+    # a shell starts background jobs with SIGINT ignored, and Python then never turns it into
+    # KeyboardInterrupt: the child gets the default disposition whatever ran the tests
     build = subprocess.Popen([sys.executable, "-m", "packtools", "build", str(source), "-o", str(out)], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not any(p.stat().st_size > 32 << 20 for p in tmp_path.glob(".bundle.partial-*/experts.pack")):
