@@ -166,6 +166,19 @@ def _deepseek_v3(size: TinySize) -> dict:
     }
 
 
+def _kimi_moe(size: TinySize) -> dict:
+    """Moonshot's MoE keys (Kimi-Linear and Kimi-K3 name them alike): one shared expert, no groups."""
+    return {
+        "num_experts": size.num_experts,
+        "num_experts_per_token": size.top_k,
+        "moe_intermediate_size": size.moe_intermediate_size,
+        "intermediate_size": size.dense_intermediate_size,
+        "num_shared_experts": 1,
+        "num_expert_group": 1,
+        "topk_group": 1,
+    }
+
+
 def _kimi_linear(size: TinySize) -> dict:
     layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(size.num_layers)]
     if "full_attention" not in layer_types:
@@ -174,13 +187,7 @@ def _kimi_linear(size: TinySize) -> dict:
     return {
         **_mla_attention(),
         "q_lora_rank": None,
-        "num_experts": size.num_experts,
-        "num_experts_per_token": size.top_k,
-        "moe_intermediate_size": size.moe_intermediate_size,
-        "intermediate_size": size.dense_intermediate_size,
-        "num_shared_experts": 1,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        **_kimi_moe(size),
         "layer_types": layer_types,
         "mlp_layer_types": ["sparse"] * size.num_layers,
         "linear_attn_config": {"head_dim": 16, "num_heads": NUM_ATTENTION_HEADS, "short_conv_kernel_size": 4},
@@ -195,13 +202,7 @@ def _kimi_k3(size: TinySize) -> dict:
         "q_lora_rank": 32,
         "linear_attn_config": {"num_heads": NUM_ATTENTION_HEADS, "head_dim": 16, "short_conv_kernel_size": 4,
                                "gate_lower_bound": -5.0, "use_full_rank_gate": True, "full_attn_layers": full},
-        "num_experts": size.num_experts,
-        "num_experts_per_token": size.top_k,
-        "moe_intermediate_size": size.moe_intermediate_size,
-        "intermediate_size": size.dense_intermediate_size,
-        "num_shared_experts": 1,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        **_kimi_moe(size),
         "first_k_dense_replace": 1 if size.num_layers >= 2 else 0,
         "routed_expert_hidden_size": size.hidden_size // 2,  # the real model's latent ratio (3584 / 7168)
         "latent_moe_use_norm": True,
