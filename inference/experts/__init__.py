@@ -1,7 +1,9 @@
 """Routed experts computed from raw expert objects: the "expertpack" transformers experts implementation."""
 
 from inference.experts.binding import (
+    COMPUTE_MODES,
     bind_experts,
+    resolve_compute,
     experts_modules,
     register_experts_implementation,
     routed_parameter_names,
@@ -14,12 +16,13 @@ from inference.experts.errors import (
     RoutingError,
     UnboundExpertsError,
 )
-from inference.experts.forward import IMPLEMENTATION_NAME, ExpertsBinding, expertpack_experts_forward
+from inference.experts.forward import IMPLEMENTATION_NAME, DeviceLookup, ExpertsBinding, expertpack_experts_forward
 from inference.experts.plan import LayerPlan, build_layer_plan
-from inference.experts.source import ExpertSource, LocalPackSource, uniform_layout
+from inference.experts.source import ExpertSource, LocalPackSource, SlotRows, acquire_rows, uniform_layout
 
 __all__ = [
-    "IMPLEMENTATION_NAME", "ExpertSource", "LocalPackSource", "uniform_layout", "ExpertsBinding", "LayerPlan",
+    "IMPLEMENTATION_NAME", "COMPUTE_MODES", "ExpertSource", "LocalPackSource", "SlotRows", "acquire_rows",
+    "uniform_layout", "ExpertsBinding", "DeviceLookup", "LayerPlan", "resolve_compute",
     "build_layer_plan", "bind_experts", "experts_modules", "register_experts_implementation",
     "routed_parameter_names", "select_expertpack", "expertpack_experts_forward", "ExpertsError",
     "ExpertLayoutError", "ExpertSourceError", "RoutingError", "UnboundExpertsError",

@@ -15,6 +15,7 @@ from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.forward import BINDING_ATTRIBUTE, IMPLEMENTATION_NAME, ExpertsBinding, expertpack_experts_forward
 from inference.experts.plan import build_layer_plan
 from inference.experts.source import ExpertSource
+from inference.kernels.ops import fused_unavailable_reason
 
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -55,9 +56,29 @@ def routed_parameter_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
+COMPUTE_MODES = ("auto", "exact", "fused")
+
+
+def resolve_compute(compute: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels compute the experts: "fused" (refused where they cannot run),
+    "exact" (never), "auto" (on CUDA with triton; a CPU run under triton's interpreter, which
+    tests use, takes the fused path only when asked for)."""
+    if compute not in COMPUTE_MODES:
+        raise ExpertsError(f"experts compute mode {compute!r} is not one of {COMPUTE_MODES}")
+    if compute == "exact":
+        return False
+    reason = fused_unavailable_reason(device, dtype)
+    if compute == "fused" and reason is not None:
+        raise ExpertsError(f"experts compute mode 'fused' cannot run here: {reason}")
+    return reason is None and (compute == "fused" or device.type == "cuda")
+
+
 def bind_experts(model: torch.nn.Module, source: ExpertSource, *, moe_layers: list[int], num_experts: int,
-                 orientation: str, gate_up_layout: str) -> dict[int, ExpertsBinding]:
-    """Attach layer, source and a checked LayerPlan to every experts module; returns them by layer."""
+                 orientation: str, gate_up_layout: str, fused_kernels: bool = False) -> dict[int, ExpertsBinding]:
+    """Attach layer, source and a checked LayerPlan to every experts module; returns them by layer.
+
+    fused_kernels: compute on the fused path (inference.experts.fused); a layer whose weights the
+    GEMV cannot read in place uses its dequantize-and-multiply fallback there."""
     modules = experts_modules(model)
     if list(modules) != list(moe_layers):
         raise ExpertLayoutError(-1, f"the model has routed experts in layers {list(modules)}, the bundle in "
@@ -68,7 +89,11 @@ def bind_experts(model: torch.nn.Module, source: ExpertSource, *, moe_layers: li
         if plan.target.num_experts != num_experts:
             raise ExpertLayoutError(layer, f"the model has {plan.target.num_experts} experts, the bundle "
                                     f"{num_experts}")
-        binding = ExpertsBinding(layer, source, plan)
+        binding = ExpertsBinding(layer, source, plan, use_fused_kernels=fused_kernels)
+        if fused_kernels:
+            from inference.experts.fused import fused_plan
+
+            binding.fused, _ = fused_plan(plan)
         setattr(module, BINDING_ATTRIBUTE, binding)
         bindings[layer] = binding
     return bindings

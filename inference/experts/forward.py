@@ -2,17 +2,19 @@
 
 transformers calls `expertpack_experts_forward(experts_module, hidden_states [T, H],
 top_k_index [T, k], top_k_weights [T, k])` in place of the module's own forward. The module's
-routed parameters stay on the meta device; the weights come from the expert source instead:
+routed parameters stay on the meta device; the weights come from the expert source. Three paths,
+chosen per call:
 
-1. group the (token, slot) pairs by expert: the unique experts are the one host sync;
-2. acquire those experts' objects for the module's layer;
-3. dequantize each weight for all of them at once (LayerPlan.materialize);
-4. per expert, compute exactly what transformers' eager forward computes (same ops, same order);
-   when every expert serves a single (token, slot) pair, as in decoding one sequence, the same
-   computation runs for all of them at once, one batched matmul per projection (launch count,
-   not arithmetic, is what a decode step spends its time on);
-5. sum each token's contributions in ascending expert order starting from zero — the order in
-   which the eager forward's per-expert `index_add_` adds them — so float32 results match it.
+- **device lookup** (inside a captured decode step, see inference.engine.decode_graph): the
+  slots come from storaged's device-readable slot map, no host sync at all; a pair whose expert
+  is absent counts a miss and the caller runs the step again on the acquire path.
+- **fused** (CUDA, bfloat16/float16): group the pairs by expert (the one host sync, which also
+  carries the next layer's predicted experts as a prefetch hint), acquire the distinct experts,
+  then compute from the slots in place (inference.experts.fused).
+- **exact** (CPU, float32 checks, or wherever the fused kernels cannot run): group the pairs by
+  expert; acquire; dequantize each weight for all experts at once (LayerPlan.materialize); per
+  expert, exactly the ops of transformers' eager forward, in its order (one expert at a time,
+  ascending expert id, prefill and decode alike), so float32 results equal it bit for bit.
 """
 
 from __future__ import annotations
@@ -22,20 +24,40 @@ import dataclasses
 import torch
 
 from inference.experts.errors import ExpertSourceError, RoutingError, UnboundExpertsError
-from inference.experts.plan import LayerPlan
-from inference.experts.source import ExpertSource
+from inference.experts.plan import LayerPlan, Which
+from inference.experts.source import ExpertSource, acquire_rows
 
 IMPLEMENTATION_NAME = "expertpack"
 BINDING_ATTRIBUTE = "expertpack_binding"
 
 
 @dataclasses.dataclass
+class DeviceLookup:
+    """Where a captured step finds slots without asking anyone: this layer's row of the slot map
+    (int32 [E], -1 = absent) inside `arena`, and the step's miss counter (int32 [1])."""
+
+    layer_map: torch.Tensor
+    arena: torch.Tensor
+    stride: int
+    misses: torch.Tensor
+
+
+@dataclasses.dataclass
 class ExpertsBinding:
-    """What one experts module needs at run time: its layer, its source and its plan."""
+    """What one experts module needs at run time: its layer, its source and its plan.
+
+    `fused` is set when the layer runs on the fused path (bind time); `lookup` only while a
+    decode step is being captured or run on the device lookup path; `predict` (optional) maps
+    this layer's MoE input to the experts the next MoE layer will probably want, for prefetch.
+    """
 
     layer: int
     source: ExpertSource
     plan: LayerPlan
+    fused: object | None = None  # inference.experts.fused.FusedPlan, or None: exact / gather path
+    use_fused_kernels: bool = False
+    lookup: DeviceLookup | None = None
+    predict: object | None = None  # inference.experts.lookahead.NextLayerPredictor
 
 
 def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -43,46 +65,68 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     binding: ExpertsBinding | None = getattr(self, BINDING_ATTRIBUTE, None)
     if binding is None:
         raise UnboundExpertsError(type(self).__name__)
-    plan = binding.plan
     tokens, top_k = top_k_index.shape
     if tokens == 0:
         return torch.zeros_like(hidden_states)
+    if binding.lookup is not None:
+        return _lookup_forward(self, binding, hidden_states, top_k_index, top_k_weights)
 
     pair_experts = top_k_index.reshape(-1)  # [S], S = T * k, pair p = (token p // k, slot p % k)
     sorted_experts, pair_order = torch.sort(pair_experts, stable=True)  # pairs grouped by expert
     unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
-    expert_ids, expert_counts = torch.stack([unique, counts]).tolist()  # the one device -> host sync
+    hint = binding.predict.predict(hidden_states) if binding.predict is not None else None
+    expert_ids, expert_counts, predicted = _to_host(unique, counts, hint)  # the one device -> host sync
+    plan = binding.plan
     for expert in (expert_ids[0], expert_ids[-1]):
         if not 0 <= expert < plan.target.num_experts:
             raise RoutingError(binding.layer, expert, plan.target.num_experts)
+    if predicted:
+        binding.predict.send(predicted)
 
+    if binding.use_fused_kernels:
+        return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
+                              expert_ids, expert_counts)
     objects = binding.source.acquire(binding.layer, expert_ids)
     if len(objects) != len(expert_ids):
         raise ExpertSourceError(binding.layer, f"asked for {len(expert_ids)} experts {expert_ids}, "
                                 f"got {len(objects)} objects")
     weights = plan.materialize(objects)  # name -> [n, *shape], n = unique experts
+    return exact_combine(self, plan, hidden_states, top_k_index, top_k_weights, pair_order, expert_counts, weights)
 
+
+def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None
+             ) -> tuple[list[int], list[int], list[int]]:
+    """(distinct experts, their pair counts, predicted next-layer experts) in one transfer."""
+    parts = [unique, counts] if hint is None else [unique, counts, hint.to(unique.dtype)]
+    flat = torch.cat(parts).tolist()
+    n = unique.numel()
+    return flat[:n], flat[n:2 * n], flat[2 * n:]
+
+
+def exact_combine(module: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, pair_order: torch.Tensor, expert_counts: list[int],
+                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Eager's loop: per expert (ascending id) its tokens through up, gate, down, times the
+    routing weight, index_add_-ed into a zero output in the output dtype."""
+    tokens, top_k = top_k_index.shape
     pair_weights = top_k_weights.reshape(-1)  # [S]
     pair_tokens = pair_order // top_k  # [S] token of each expert-sorted pair
-    if len(expert_ids) == len(pair_order):
-        # every expert serves one pair (decode): one batched matmul per projection, not n small ones
-        contributions = _expert_outputs(self, plan, hidden_states[pair_tokens], weights, None)
-        contributions = (contributions * pair_weights[pair_order, None]).to(hidden_states.dtype)  # [S, H]
-    else:
-        contributions = hidden_states.new_empty((tokens * top_k, hidden_states.shape[-1]))  # [S, H], sorted
-        start = 0
-        for i, count in enumerate(expert_counts):
-            rows = slice(start, start + count)
-            start += count
-            out = _expert_outputs(self, plan, hidden_states[pair_tokens[rows]], weights, i)  # [count, H]
-            contributions[rows] = (out * pair_weights[pair_order[rows], None]).to(hidden_states.dtype)
-
-    return _sum_in_expert_order(contributions, pair_order, top_k_index, hidden_states)
+    final = torch.zeros_like(hidden_states)
+    start = 0
+    for i, count in enumerate(expert_counts):
+        rows = slice(start, start + count)
+        start += count
+        token_idx = pair_tokens[rows]
+        out = expert_outputs(module, plan, hidden_states[token_idx], weights, i)  # [count, H]
+        out = out * pair_weights[pair_order[rows], None]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
 
 
-def _expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, weights: dict[str, torch.Tensor],
-                    i: int | None) -> torch.Tensor:
-    """Expert i on its tokens x, or (i None) expert e on row e of x: up, gate, down, as eager does."""
+def expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, weights: dict[str, torch.Tensor],
+                   i: Which) -> torch.Tensor:
+    """Expert i on its tokens x; or (i None) expert e on row e of x; or (i a tensor of cumulative
+    row counts) every expert on its group of rows: up, gate, down, as eager does."""
     gate_up = plan.up_output(x, weights, i)  # [rows, 2I] in the module's layout
     activated = module._apply_gate(gate_up) if plan.target.has_gate else module.act_fn(gate_up)
     out = plan.down_output(activated, weights, i)  # [rows, H]
@@ -91,16 +135,40 @@ def _expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, w
     return out
 
 
-def _sum_in_expert_order(contributions: torch.Tensor, pair_order: torch.Tensor, top_k_index: torch.Tensor,
-                         hidden_states: torch.Tensor) -> torch.Tensor:
-    """Per token, 0 + c(e1) + c(e2) + ... with e1 < e2 < ...: eager's index_add_ order, deterministic."""
+def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_order,
+                   unique, expert_ids, expert_counts) -> torch.Tensor:
+    from inference.experts import fused as F
+
+    rows = acquire_rows(binding.source, binding.layer, expert_ids)
+    if len(rows.index) != len(expert_ids):
+        raise ExpertSourceError(binding.layer, f"asked for {len(expert_ids)} experts {expert_ids}, "
+                                f"got {len(rows.index)} rows")
+    device = hidden_states.device
+    index = torch.tensor(rows.index, dtype=torch.int32).to(device, non_blocking=True)  # [n] row of each expert
     tokens, top_k = top_k_index.shape
-    by_pair = torch.empty_like(contributions)
-    by_pair[pair_order] = contributions  # back to (token, slot) order, [S, H]
-    by_pair = by_pair.view(tokens, top_k, -1)
-    slot_rank = torch.argsort(top_k_index, dim=1, stable=True)  # [T, k] slots by ascending expert id
-    ordered = by_pair.gather(1, slot_rank.unsqueeze(-1).expand_as(by_pair))
-    final = torch.zeros_like(hidden_states)
-    for slot in range(top_k):
-        final = final + ordered[:, slot]
-    return final
+    if tokens * top_k > F.GROUPED_PAIRS:
+        return F.grouped_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, pair_order,
+                                 expert_counts, index.to(torch.int64), rows.arena, rows.stride)
+    lut = torch.full((binding.plan.target.num_experts,), -1, dtype=torch.int32, device=device)  # expert -> row
+    lut[unique] = index
+    pair_slots = lut[top_k_index.reshape(-1)]  # [T*k]
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, pair_slots, rows.arena, rows.stride)
+
+
+def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_slots, arena,
+           stride) -> torch.Tensor:
+    from inference.experts import fused as F
+
+    if binding.fused is not None:
+        return F.pair_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
+                              pair_slots, arena, stride)
+    return F.gather_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, pair_slots, arena,
+                            stride)
+
+
+def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    lookup = binding.lookup
+    pair_slots = lookup.layer_map[top_k_index.reshape(-1)]  # int32 [T*k], -1 where absent
+    lookup.misses.add_((pair_slots < 0).sum(dtype=torch.int32))  # read by the caller after the step
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, pair_slots, lookup.arena,
+                  lookup.stride)

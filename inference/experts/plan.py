@@ -17,7 +17,7 @@ same way, so row r of the fused scales still scales row r of the fused weight.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from packtools.pack.constants import SCALE_ROLES, WEIGHT_ROLE_OF, Role
 from packtools.pack.scales import ScalePairError, check_scale_pairs
 
 ORIENTATIONS = ("out_in", "in_out")
+Which = int | torch.Tensor | None  # an expert, one row per expert, or grouped rows (cumulative counts)
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 
 
@@ -118,12 +119,25 @@ class LayerPlan:
 
     def materialize(self, objects: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every weight of the plan for these experts: name -> [n, *shape] in the module's dtype."""
-        return {group.name: _dequantize_group(group, objects, self.target.dtype) for group in self.groups}
+        return {group.name: _dequantize_group(group, lambda entries: _gather(objects, entries), self.target.dtype)
+                for group in self.groups}
 
-    def up_output(self, x: torch.Tensor, weights: dict[str, torch.Tensor], i: int | None) -> torch.Tensor:
+    def materialize_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Like materialize, for objects that are the rows of one uint8 [n, >= object bytes] tensor
+        (e.g. arena slots picked with index_select): no per-object Python work, so it can run
+        inside a captured CUDA graph."""
+        return {group.name: _dequantize_group(group, lambda entries: _gather_rows(rows, entries), self.target.dtype)
+                for group in self.groups}
+
+    def materialize_group_rows(self, group: WeightGroup, rows: torch.Tensor) -> torch.Tensor:
+        """One weight of materialize_rows: [n, *group.shape] in the module's dtype."""
+        return _dequantize_group(group, lambda entries: _gather_rows(rows, entries), self.target.dtype)
+
+    def up_output(self, x: torch.Tensor, weights: dict[str, torch.Tensor], i: Which) -> torch.Tensor:
         """The up side: [T, 2I] gate_up in the module's layout (or [T, I] without a gate).
 
-        i: the expert (x holds its tokens), or None for one row per expert (x is [n, H]).
+        i: the expert (x holds its tokens); None for one row per expert (x is [n, H]); or a
+        tensor of cumulative row counts (x holds every expert's rows, grouped, in order).
         """
         if self.fused_up is not None:
             out = self._project(self.fused_up, x, weights, i)
@@ -136,22 +150,44 @@ class LayerPlan:
             return torch.cat([gate, up], dim=-1)
         return torch.stack([gate, up], dim=-1).flatten(-2)  # [T, I, 2] -> gate0, up0, gate1, ...
 
-    def down_output(self, h: torch.Tensor, weights: dict[str, torch.Tensor], i: int | None) -> torch.Tensor:
+    def down_output(self, h: torch.Tensor, weights: dict[str, torch.Tensor], i: Which) -> torch.Tensor:
         return self._project(self.down, h, weights, i)
 
     def _project(self, projection: Projection, x: torch.Tensor, weights: dict[str, torch.Tensor],
-                 i: int | None) -> torch.Tensor:
+                 i: Which) -> torch.Tensor:
         weight = weights[projection.weight.name]  # [n, out, in] (out_in) or [n, in, out] (in_out)
+        bias = weights[projection.bias.name] if projection.bias is not None else None  # [n, out]
+        if isinstance(i, torch.Tensor):  # grouped rows: one GEMM over every expert's rows
+            in_out = weight if self.orientation == "in_out" else weight.transpose(-2, -1)  # [n, in, out]
+            out = grouped_mm(x, in_out, i)
+            if bias is not None:
+                counts = torch.diff(i, prepend=i.new_zeros(1))  # [n] rows per expert
+                out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+            return out
         if i is not None:  # eager's op: one expert, its tokens
             out = F.linear(x, weight[i]) if self.orientation == "out_in" else x @ weight[i]
         elif self.orientation == "out_in":  # row e of x through expert e, all in one bmm
             out = torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)  # [n, out]
         else:
             out = torch.bmm(x.unsqueeze(1), weight).squeeze(1)  # [n, out]
-        if projection.bias is not None:
-            bias = weights[projection.bias.name]  # [n, out]
+        if bias is not None:
             out = out + (bias[i] if i is not None else bias)
         return out
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[S, out]: rows offsets[g-1]:offsets[g] of x [S, in] times weight[g] [in, out]; one grouped
+    GEMM where torch has one for these operands (bfloat16 on CUDA), else one matmul per group."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+        if grouped is not None:
+            return grouped(x, weight, offs=offsets.to(torch.int32))
+    out = x.new_empty((x.shape[0], weight.shape[-1]))
+    start = 0
+    for group, end in enumerate(offsets.tolist()):  # host sync: only off the fast path
+        out[start:end] = x[start:end] @ weight[group]
+        start = end
+    return out
 
 
 def _relayout(gate_up: torch.Tensor, have: str, want: str) -> torch.Tensor:
@@ -170,21 +206,31 @@ def _gather(objects: Sequence[torch.Tensor], entries: Sequence[RoleEntry]) -> to
     return torch.cat(pieces).view(len(objects), -1)
 
 
-def _dequantize_group(group: WeightGroup, objects: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _gather_rows(rows: torch.Tensor, entries: Sequence[RoleEntry]) -> torch.Tensor:
+    """uint8 [n, sum of nbytes]: each row's bytes of `entries`, concatenated in order."""
+    if len(entries) == 1:
+        return rows[:, entries[0].offset : entries[0].offset + entries[0].nbytes]  # a strided view
+    return torch.cat([rows[:, e.offset : e.offset + e.nbytes] for e in entries], dim=1)
+
+
+Gather = Callable[[Sequence[RoleEntry]], torch.Tensor]  # role entries -> uint8 [n, their bytes]
+
+
+def _dequantize_group(group: WeightGroup, gather: Gather, dtype: torch.dtype) -> torch.Tensor:
     if group.byte_concatenable:
-        raw = _gather(objects, group.roles)  # uint8 [n, group bytes]
+        raw = gather(group.roles)  # uint8 [n, group bytes]
         if not group.scaled:
             return dequantize_roles(raw, group.roles[0].element_type, group.shape, dtype)
-        scales = _gather(objects, group.scales)  # uint8 [n, group scale bytes], rows as the weight's
+        scales = gather(group.scales)  # uint8 [n, group scale bytes], rows as the weight's
         return dequantize_scaled_roles(raw, scales, group.roles[0].element_type, group.shape,
                                        group.scales[0].element_type, group.scale_shape, dtype)
     parts = []
     for role, scale in zip(group.roles, group.scales):  # mixed: dequantize each role, concatenate values
-        raw = _gather(objects, (role,))  # uint8 [n, nbytes]
+        raw = gather((role,))  # uint8 [n, nbytes]
         if scale is None:
             parts.append(dequantize_roles(raw, role.element_type, role.shape, dtype))
         else:
-            parts.append(dequantize_scaled_roles(raw, _gather(objects, (scale,)), role.element_type, role.shape,
+            parts.append(dequantize_scaled_roles(raw, gather((scale,)), role.element_type, role.shape,
                                                  scale.element_type, scale.shape, dtype))
     return torch.cat(parts, dim=1)
 

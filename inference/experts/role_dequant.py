@@ -27,7 +27,8 @@ def dequantize_roles(raw: torch.Tensor, element_type: int, role_shape: tuple[int
     assert raw.dim() == 2 and raw.shape[1] == tensor_nbytes(element_type, role_shape), (tuple(raw.shape), role_shape)
     float_dtype = FLOAT_VIEWS.get(ElementType(element_type))
     if float_dtype is not None:
-        # rows come from torch.cat/stack: fresh, contiguous, aligned for any element size
+        # rows are fresh (torch.cat) or arena slots sliced at a role offset: 256-byte aligned, so
+        # reinterpreting them as any float type is a view
         return raw.view(float_dtype).reshape(raw.shape[0], *role_shape).to(out_dtype)
     return dequantize_many(raw, element_type, role_shape, out_dtype)
 

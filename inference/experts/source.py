@@ -8,6 +8,7 @@ is the reference the storaged-backed source must agree with.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +30,51 @@ class ExpertSource(Protocol):
 
     def layout(self, layer: int) -> Sequence[RoleEntry]:
         """The role entries every object of `layer` shares (role, type, offset, nbytes, shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRows:
+    """Acquired objects as rows of one byte tensor, for kernels that read slots in place.
+
+    Object i of the request starts at byte `index[i] * stride` of `arena` (uint8, 1-D, on the
+    compute device). A storaged source hands out its shared arena and the slot ids; a source
+    without an arena packs the objects it read into a fresh tensor.
+    """
+
+    arena: torch.Tensor
+    stride: int
+    index: tuple[int, ...]
+
+    @property
+    def row_count(self) -> int:
+        return self.arena.numel() // self.stride
+
+    def rows(self) -> torch.Tensor:
+        """uint8 [row_count, stride] view of the arena."""
+        return self.arena[: self.row_count * self.stride].view(self.row_count, self.stride)
+
+
+ROW_ALIGNMENT = 256  # rows of packed objects keep every role 256-byte aligned, like arena slots
+
+
+def rows_of_objects(objects: Sequence[torch.Tensor]) -> SlotRows:
+    """SlotRows holding copies of `objects` (uint8 1-D tensors on one device), one per row."""
+    if not objects:
+        raise ValueError("rows_of_objects needs at least one object")
+    stride = -(-max(o.numel() for o in objects) // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    arena = torch.zeros(len(objects) * stride, dtype=torch.uint8, device=objects[0].device)
+    rows = arena.view(len(objects), stride)
+    for i, obj in enumerate(objects):
+        rows[i, : obj.numel()] = obj
+    return SlotRows(arena, stride, tuple(range(len(objects))))
+
+
+def acquire_rows(source: ExpertSource, layer: int, experts: list[int]) -> SlotRows:
+    """The source's own acquire_rows when it has one, else its objects packed into rows."""
+    method = getattr(source, "acquire_rows", None)
+    if method is not None:
+        return method(layer, experts)
+    return rows_of_objects(source.acquire(layer, experts))
 
 
 def uniform_layout(bundle: Bundle, layer: int) -> tuple[RoleEntry, ...]:
@@ -68,9 +114,16 @@ class LocalPackSource:
         return self._layouts[layer]
 
     def acquire(self, layer: int, experts: list[int]) -> list[torch.Tensor]:
-        objects = []
-        for expert in experts:
+        rows = self.acquire_rows(layer, experts)
+        return [rows.arena[i * rows.stride: i * rows.stride + self.bundle.pack.entry(layer, e).size]
+                for i, e in zip(rows.index, experts, strict=True)]
+
+    def acquire_rows(self, layer: int, experts: list[int]) -> SlotRows:
+        """The objects read into one host buffer, then copied to the device at once."""
+        sizes = [self.bundle.pack.entry(layer, expert).size for expert in experts]
+        stride = -(-max(sizes) // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        host = torch.zeros(len(experts) * stride, dtype=torch.uint8)  # [n * stride] bytes
+        for i, expert in enumerate(experts):
             payload = self.bundle.pack.read_object(layer, expert, verify=True)  # raises ObjectChecksumError
-            host = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # [size] bytes
-            objects.append(host.to(self.device))
-        return objects
+            host[i * stride: i * stride + sizes[i]] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return SlotRows(host.to(self.device), stride, tuple(range(len(experts))))

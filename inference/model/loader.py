@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
-from inference.experts import ExpertSource, bind_experts, routed_parameter_names, select_expertpack
+from inference.experts import (ExpertSource, bind_experts, resolve_compute, routed_parameter_names,
+                               select_expertpack)
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
 from packtools.bundle import DENSE, Bundle, open_bundle
@@ -76,13 +77,15 @@ def _load_tokenizer(bundle: Bundle):
 
 
 def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-               expert_source: ExpertSource | ExpertSourceFactory) -> LoadedModel:
+               expert_source: ExpertSource | ExpertSourceFactory, experts_compute: str = "auto") -> LoadedModel:
     """Open the bundle and return a model ready for forward/generate on `device`.
 
     Non-routed weights are cast to `dtype` (float32 where the model keeps them in float32);
-    routed experts stay on the meta device and are computed from `expert_source`'s objects.
+    routed experts stay on the meta device and are computed from `expert_source`'s objects, by the
+    fused kernels or the exact path (`experts_compute`: see inference.experts.resolve_compute).
     """
     device = _resolve_device(device)
+    fused_kernels = resolve_compute(experts_compute, device, dtype)
     bundle = open_bundle(bundle_dir)
     try:
         config = AutoConfig.from_pretrained(bundle.path)
@@ -93,7 +96,8 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
         source = _resolve_source(expert_source, bundle, device)
         experts = bundle.experts
         bind_experts(model, source, moe_layers=list(experts["moe_layers"]), num_experts=int(experts["num_experts"]),
-                     orientation=experts.get("orientation", "out_in"), gate_up_layout=experts.get("gate_up", "concat"))
+                     orientation=experts.get("orientation", "out_in"), gate_up_layout=experts.get("gate_up", "concat"),
+                     fused_kernels=fused_kernels)
         select_expertpack(model)
     except BaseException:
         bundle.close()

@@ -1,0 +1,153 @@
+"""The fused experts path: compute from the quantized slots in place, on the GPU.
+
+Two shapes of work, both free of Python loops over experts:
+- `pair_forward` (decode, a few tokens): one GEMV per projection over every (token, expert) pair
+  at once, reading each pair's weights from its slot (inference.kernels), the activation in
+  torch (the module's own `_apply_gate`), then the combine kernel. It needs no host sync and no
+  per-layer allocation of the experts' weights, so a decode step made of it can be captured in a
+  CUDA graph; a pair whose slot is negative (not resident) yields garbage that the caller,
+  who sees the negative slot, throws away.
+- `grouped_forward` (prefill, many tokens): each distinct expert's weights are dequantized once
+  from its slot, then one grouped GEMM per projection runs over the pairs sorted by expert.
+
+Arithmetic follows transformers' eager experts forward: weights rounded to the module's dtype,
+matmul outputs rounded to it, the activation from the module, each contribution rounded, and the
+contributions summed per token in ascending expert order. Only the order of the float32
+accumulations inside a dot product differs from cuBLAS, so results agree with a resident model
+to the last bits of bfloat16, not bit for bit; the exact path (inference.experts.forward) stays
+for float32 checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
+from inference.kernels.ops import GemvWeight, gemv_weight, moe_combine, moe_gemv
+
+GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+    """The GEMV descriptions of one layer's projections (checked once, at bind time)."""
+
+    up: tuple[GemvWeight, ...]  # segments of gate_up (or up), concatenated in order
+    up_layout: str  # column layout of the concatenated up output ("concat" or "interleaved")
+    up_biases: tuple[WeightGroup, ...]  # bias groups matching `up`, or () without biases
+    down: GemvWeight
+    down_bias: WeightGroup | None
+
+
+def _gemv_of(projection: Projection) -> GemvWeight | None:
+    group = projection.weight
+    if group.scaled:
+        return None
+    return gemv_weight(group.roles, rows=group.shape[0], cols=group.shape[1])
+
+
+def fused_plan(plan: LayerPlan) -> tuple[FusedPlan | None, str | None]:
+    """(FusedPlan, None) when every projection of the layer can be read in place, else
+    (None, why): block-scaled (separate scale role) or in_out-oriented weights take the
+    dequantize-and-multiply fallback."""
+    if plan.orientation != "out_in":
+        return None, f"layer {plan.layer}: weights are stored in_out (transposed); the GEMV reads out_in rows"
+    if plan.fused_up is not None:
+        ups, layout = (plan.fused_up,), plan.fused_output_layout
+    else:
+        ups = tuple(p for p in (plan.gate, plan.up) if p is not None)
+        layout = "concat"
+    segments = tuple(_gemv_of(p) for p in ups)
+    down = _gemv_of(plan.down)
+    if None in segments or down is None:
+        group = next(p.weight for p in (*ups, plan.down) if _gemv_of(p) is None)
+        types = sorted({r.element_type for r in group.roles})
+        return None, (f"layer {plan.layer}: weight {group.name!r} (element types {types}"
+                      f"{', block-scaled' if group.scaled else ''}) has no in-place GEMV")
+    biases = tuple(p.bias for p in ups if p.bias is not None)
+    return FusedPlan(segments, layout, biases, down, plan.down.bias), None
+
+
+def _bias_rows(group: WeightGroup, plan: LayerPlan, rows: torch.Tensor) -> torch.Tensor:
+    """[n, out] bias values of each row's object, in the module's dtype."""
+    return plan.materialize_group_rows(group, rows)
+
+
+def _add_bias(out: torch.Tensor, groups, plan: LayerPlan, rows: torch.Tensor) -> torch.Tensor:
+    if not groups:
+        return out
+    bias = torch.cat([_bias_rows(g, plan, rows) for g in groups], dim=1)  # [P, out]
+    return out + bias  # eager adds the bias to the rounded matmul output, as F.linear's epilogue does not
+
+
+def _activate(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, gate_up: torch.Tensor) -> torch.Tensor:
+    gate_up = _relayout(gate_up, fused.up_layout, plan.target.gate_up_layout)
+    return module._apply_gate(gate_up) if plan.target.has_gate else module.act_fn(gate_up)
+
+
+def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_slots: torch.Tensor,
+                 arena: torch.Tensor, stride: int) -> torch.Tensor:
+    """[T, H]: the experts' combined output, pair p = (token p // k, its p % k-th expert) computed
+    from the object at row pair_slots[p] (int32 [T*k]) of `arena` (rows of `stride` bytes)."""
+    tokens, top_k = top_k_index.shape
+    pair_tokens = torch.arange(tokens * top_k, device=x.device, dtype=torch.int32) // top_k  # [P]
+    parts = [moe_gemv(x, pair_slots, arena, stride, w, tokens=pair_tokens) for w in fused.up]  # [P, rows_i]
+    gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [P, 2I] (or [P, I])
+    needs_rows = fused.up_biases or fused.down_bias is not None or getattr(module, "has_post_expert_norm", False)
+    rows = _pair_rows(pair_slots, arena, stride) if needs_rows else None
+    gate_up = _add_bias(gate_up, fused.up_biases, plan, rows)
+    hidden = _activate(module, plan, fused, gate_up)  # [P, I]
+    down = moe_gemv(hidden, pair_slots, arena, stride, fused.down)  # [P, H]
+    down = _add_bias(down, (fused.down_bias,) if fused.down_bias is not None else (), plan, rows)
+    if getattr(module, "has_post_expert_norm", False):
+        down = module.post_expert_norm(down)
+    order = torch.argsort(top_k_index, dim=1, stable=True)  # [T, k] slots by ascending expert id
+    return moe_combine(down, top_k_weights, order)
+
+
+def _pair_rows(pair_slots: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
+    """uint8 [P, stride]: a copy of each pair's object row (only for the small bias roles)."""
+    count = arena.numel() // stride
+    table = arena[: count * stride].view(count, stride)
+    return table.index_select(0, pair_slots.clamp(min=0).to(torch.int64))
+
+
+def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, pair_slots: torch.Tensor, arena: torch.Tensor,
+                   stride: int) -> torch.Tensor:
+    """pair_forward for weights the GEMV cannot read in place (block-scaled, in_out): each pair's
+    object is copied out of its slot and dequantized, then one batched matmul per projection.
+    Also free of host syncs (capturable), at the cost of dequantizing per pair."""
+    from inference.experts.forward import expert_outputs  # the eager arithmetic, one row per pair
+
+    rows = _pair_rows(pair_slots, arena, stride)  # uint8 [P, stride]
+    weights = plan.materialize_rows(rows)  # name -> [P, ...]
+    tokens, top_k = top_k_index.shape
+    pair_tokens = torch.arange(tokens * top_k, device=x.device) // top_k  # [P]
+    out = expert_outputs(module, plan, x[pair_tokens], weights, None)  # [P, H]
+    order = torch.argsort(top_k_index, dim=1, stable=True)
+    return moe_combine(out, top_k_weights, order)
+
+
+def grouped_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, pair_order: torch.Tensor, counts: list[int],
+                    expert_rows: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
+    """[T, H] for many tokens: the n distinct experts (rows `expert_rows`, int64 [n], ascending
+    expert id; `counts` their pair counts) are dequantized once, then grouped GEMMs over the pairs
+    sorted by expert (`pair_order`, [T*k] pair indices)."""
+    from inference.experts.forward import expert_outputs
+
+    count = arena.numel() // stride
+    rows = arena[: count * stride].view(count, stride).index_select(0, expert_rows)  # uint8 [n, stride]
+    weights = plan.materialize_rows(rows)  # name -> [n, ...]
+    tokens, top_k = top_k_index.shape
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(x.device, non_blocking=True)  # [n]
+    sorted_x = x[pair_order // top_k]  # [S, H] rows grouped by expert
+    out = expert_outputs(module, plan, sorted_x, weights, offsets)  # [S, H], sorted
+    by_pair = torch.empty_like(out)
+    by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
+    order = torch.argsort(top_k_index, dim=1, stable=True)
+    return moe_combine(by_pair, top_k_weights, order)

@@ -1,0 +1,103 @@
+"""Triton kernels of the fused experts path: a grouped GEMV over arena slots, and the combine.
+
+`moe_gemv_kernel`: program (p, n-tile) computes rows n of out[p] = W(slot[p]) · x[token[p]] for
+one (token, expert) pair p, reading W's quantized rows in place from the slot (no gathered copy,
+no dequantized copy). A weight is up to two row segments of the object (gate rows then up rows,
+each its own role), so split gate/up roles make one [2I] output without concatenating bytes.
+
+`moe_combine_kernel`: out[t] = sum over t's k experts, in ascending expert id, of
+round(y[p] * w[p]), each partial sum rounded to the model dtype: the order and roundings of
+transformers' eager experts forward (one index_add_ per expert, ascending), so the combine adds
+no difference of its own.
+
+Importing this module imports triton; inference.kernels.ops decides when to use it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from inference.kernels import quant_dot as qd
+
+# Kernel type codes (the QT constexpr), filled by ops.GEMV_TYPES.
+QT_F32, QT_F16, QT_BF16 = 0, 1, 2
+QT_Q8_0, QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_MXFP4 = 3, 4, 5, 6, 7, 8
+QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = 9, 10, 11, 12, 13
+
+
+@triton.jit
+def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    if QT <= 2:
+        return qd.dot_float(row, kb, nblk, x_row, rmask, QT, NB, WR, INTERP)
+    elif QT == 3:
+        return qd.dot_q8_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 4:
+        return qd.dot_q4_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 5:
+        return qd.dot_q4_1(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 6:
+        return qd.dot_q5_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 7:
+        return qd.dot_q5_1(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 8:
+        return qd.dot_mxfp4(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 9:
+        return qd.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 10:
+        return qd.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 11:
+        return qd.dot_q4_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 12:
+        return qd.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    else:
+        return qd.dot_q6_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+
+
+@triton.jit
+def moe_gemv_kernel(x_ptr, x_stride, token_ptr, slot_ptr, arena_ptr, slot_bytes,
+                    off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
+                    QT: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, WR: tl.constexpr,
+                    INTERP: tl.constexpr, TOKEN_IS_PAIR: tl.constexpr):
+    """out[p, n] = sum_k W[n, k] x[token[p], k] with W the weight of the object in slot[p].
+
+    Rows n < n_split start at byte off1 + n * row_bytes of the object, the others at
+    off2 + (n - n_split) * row_bytes. A negative slot (the expert is not resident) reads slot 0
+    instead: the result is garbage, and the caller, which saw the negative slot, discards it.
+    """
+    p = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+    nmask = n < N
+    slot = tl.maximum(tl.load(slot_ptr + p), 0).to(tl.int64)
+    if TOKEN_IS_PAIR:
+        token = p
+    else:
+        token = tl.load(token_ptr + p).to(tl.int64)
+    n64 = n.to(tl.int64)
+    row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
+    row = (arena_ptr + slot * slot_bytes + row_offset)[:, None]  # [BN, 1] uint8 ptrs
+    x_row = x_ptr + token * x_stride
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for kb in range(0, nblk, NB):
+        acc += _dot(QT, row, kb, nblk, x_row, nmask[:, None], NB, WR, INTERP)
+    # the matmul's output dtype is the model's: round as cuBLAS does (to nearest even)
+    out = qd.round_weights(acc, WR, INTERP)
+    tl.store(out_ptr + p * out_stride + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, y_stride, w_ptr, order_ptr, out_ptr, out_stride, H,
+                       K: tl.constexpr, BLOCK_H: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """out[t, h] = ((0 + c1) + c2) + ... with c = round(y[p, h] * w[p]), p over token t's pairs
+    in ascending expert order (order[t] = those pairs' positions within the token's k)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(K):
+        p = t * K + tl.load(order_ptr + t * K + j).to(tl.int64)
+        y = tl.load(y_ptr + p * y_stride + h, mask=hmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        c = qd.round_weights(y * w, WR, INTERP)
+        acc = qd.round_weights(acc + c, WR, INTERP)
+    tl.store(out_ptr + t * out_stride + h, acc.to(out_ptr.dtype.element_ty), mask=hmask)

@@ -1,0 +1,157 @@
+"""Launchers of the fused experts kernels, and which weights they can read in place.
+
+    weight = gemv_weight(roles, rows=2 * I, cols=H)      # None: not readable in place
+    y = moe_gemv(x, slots, arena, slot_bytes, weight, tokens=pair_tokens)   # [P, 2I]
+    out = moe_combine(y, top_k_weights, order)           # [T, H]
+
+Everything here is asynchronous device work with fixed shapes and no host synchronization, so a
+decode step built from it can be captured in a CUDA graph. triton is imported on first use
+(`triton_module()`), never on a machine that only computes on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from packtools.pack import RoleEntry
+from packtools.pack.constants import ElementType, block_shape
+
+# element type -> (kernel type code, blocks per step); a float "block" is one element
+_TYPE_CODES: dict[ElementType, tuple[int, int]] = {
+    ElementType.F32: (0, 64), ElementType.F16: (1, 64), ElementType.BF16: (2, 64),
+    ElementType.Q8_0: (3, 8), ElementType.Q4_0: (4, 8), ElementType.Q4_1: (5, 8),
+    ElementType.Q5_0: (6, 8), ElementType.Q5_1: (7, 8), ElementType.MXFP4: (8, 8),
+    ElementType.Q2_K: (9, 1), ElementType.Q3_K: (10, 1), ElementType.Q4_K: (11, 1),
+    ElementType.Q5_K: (12, 1), ElementType.Q6_K: (13, 1),
+}
+GEMV_TYPES = frozenset(_TYPE_CODES)
+_ROUNDING = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # quant_dot.ROUND_*
+GEMV_BLOCK_N = 32  # output rows per program
+COMBINE_BLOCK_H = 256
+
+_triton: ModuleType | None = None
+_triton_error: BaseException | None = None
+
+
+def triton_module() -> ModuleType | None:
+    """inference.kernels.moe_triton, imported on first use; None where triton cannot import."""
+    global _triton, _triton_error
+    if _triton is None and _triton_error is None:
+        try:
+            _triton = importlib.import_module("inference.kernels.moe_triton")
+        except ImportError as exc:
+            _triton_error = exc
+    return _triton
+
+
+def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the fused kernels cannot run on `device` in `dtype`, or None when they can."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        return f"the fused kernels need CUDA (the model runs on {device})"
+    if dtype not in _ROUNDING:
+        return f"the fused kernels compute in bfloat16, float16 or float32, not {dtype}"
+    if triton_module() is None:
+        return f"triton does not import: {_triton_error}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvWeight:
+    """Where one projection's weight lies inside every object of a layer: `rows` output rows of
+    `row_bytes` each, rows [0, split) from byte `first_offset`, rows [split, rows) from
+    `second_offset` (one role: split == rows)."""
+
+    element_type: ElementType
+    rows: int  # N, output features
+    cols: int  # K, input features
+    row_bytes: int
+    first_offset: int
+    second_offset: int
+    split: int
+
+    @property
+    def code(self) -> int:
+        return _TYPE_CODES[self.element_type][0]
+
+    @property
+    def blocks_per_step(self) -> int:
+        return _TYPE_CODES[self.element_type][1]
+
+    @property
+    def blocks_per_row(self) -> int:
+        elements, _ = block_shape(self.element_type)
+        return self.cols // elements
+
+
+def gemv_weight(roles: Sequence[RoleEntry], *, rows: int, cols: int) -> GemvWeight | None:
+    """The in-place description of a weight made of `roles` (1 role, or gate then up), each an
+    out_in [rows_i, cols] matrix of one GEMV-readable type; None when the kernel cannot read it."""
+    if not 1 <= len(roles) <= 2 or len({r.element_type for r in roles}) != 1:
+        return None
+    element_type = ElementType(roles[0].element_type)
+    if element_type not in GEMV_TYPES:
+        return None
+    if any(len(r.shape) != 2 or r.shape[1] != cols for r in roles) or sum(r.shape[0] for r in roles) != rows:
+        return None
+    row_bytes = roles[0].nbytes // roles[0].shape[0]
+    if any(r.nbytes != r.shape[0] * row_bytes for r in roles):
+        return None
+    second = roles[-1]
+    return GemvWeight(element_type, rows, cols, row_bytes, roles[0].offset, second.offset,
+                      roles[0].shape[0] if len(roles) == 2 else rows)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def moe_gemv(x: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot_bytes: int, weight: GemvWeight, *,
+             tokens: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[P, rows]: row p is W(slot p) · x[tokens[p]] (x[p] when tokens is None).
+
+    x: [T, cols] in the model dtype (unit stride along cols); slots: int32 [P] (negative: not
+    resident; its row is garbage); arena: uint8 [slot_count * slot_bytes (+ anything after)].
+    """
+    module = triton_module()
+    assert module is not None, "moe_gemv without triton: check fused_unavailable_reason first"
+    out_dtype = out_dtype or x.dtype
+    pairs = slots.shape[0]
+    assert x.stride(-1) == 1 and x.shape[-1] == weight.cols, (tuple(x.shape), weight)
+    out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
+    if pairs == 0:
+        return out
+    grid = (pairs, -(-weight.rows // GEMV_BLOCK_N))
+    module.moe_gemv_kernel[grid](
+        x, x.stride(0), tokens if tokens is not None else slots, slots, arena, slot_bytes,
+        weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
+        out, out.stride(0), weight.rows,
+        QT=weight.code, NB=weight.blocks_per_step, BLOCK_N=GEMV_BLOCK_N, WR=_ROUNDING[out_dtype],
+        INTERP=_interpreted(), TOKEN_IS_PAIR=tokens is None, num_warps=4,
+        enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
+    )
+    return out
+
+
+def moe_combine(y: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[T, H]: per token, the sum over its k pairs (rows of y [T*k, H]) in the order `order`
+    [T, k] gives (positions within the token's k, ascending expert id), each term y * weight."""
+    module = triton_module()
+    assert module is not None, "moe_combine without triton"
+    tokens, top_k = top_k_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)  # [T, H]
+    if tokens == 0:
+        return out
+    weights = top_k_weights.contiguous()
+    grid = (tokens, -(-hidden // COMBINE_BLOCK_H))
+    module.moe_combine_kernel[grid](
+        y, y.stride(0), weights, order.to(torch.int32).contiguous(), out, out.stride(0), hidden,
+        K=top_k, BLOCK_H=COMBINE_BLOCK_H, WR=_ROUNDING[y.dtype], INTERP=_interpreted(), num_warps=4)
+    return out

@@ -1,0 +1,173 @@
+"""The fused experts path: GEMV kernels that read quantized slots in place, the combine, and whole
+models computed through them, against float64 references and transformers' eager forward.
+
+Without CUDA the Triton kernels run under triton's interpreter (tests/inference/conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_model_fixtures import GGUF_GPT_OSS_ROLES, PackLayout, compare, make_case
+from transformers import AutoModelForCausalLM
+
+from inference.dequant import dequantize_many
+from inference.experts import LocalPackSource
+from inference.experts.binding import experts_modules
+from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
+from inference.kernels.ops import GEMV_TYPES, gemv_weight, moe_combine, moe_gemv
+from inference.model import load_model
+from packtools.pack import ElementType, Role, RoleEntry
+from packtools.pack.constants import tensor_nbytes
+from packtools.quants import random_blocks
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("one_thread")
+FLOAT_NUMPY = {ElementType.F32: np.float32, ElementType.F16: np.float16}
+
+
+def _role_bytes(element_type: ElementType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    if element_type == ElementType.BF16:
+        return torch.randn(shape).bfloat16().view(torch.uint8).numpy().reshape(-1)
+    if element_type in FLOAT_NUMPY:
+        return rng.standard_normal(shape).astype(FLOAT_NUMPY[element_type]).view(np.uint8).reshape(-1)
+    return random_blocks(element_type, shape, rng).reshape(-1)
+
+
+def _arena(element_type: ElementType, shape: tuple[int, int], slots: int, rng) -> tuple[torch.Tensor, int, int, int]:
+    """(arena, slot bytes, role bytes, second role's offset): every slot holds two random roles."""
+    nbytes = tensor_nbytes(element_type, shape)
+    second = -(-nbytes // 256) * 256
+    slot_bytes = -(-(second + nbytes) // 4096) * 4096
+    arena = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
+    for slot in range(slots):
+        for offset in (0, second):
+            start = slot * slot_bytes + offset
+            arena[start:start + nbytes] = torch.from_numpy(np.ascontiguousarray(_role_bytes(element_type, shape, rng)))
+    return arena, slot_bytes, nbytes, second
+
+
+@pytest.mark.parametrize("element_type", sorted(GEMV_TYPES), ids=lambda t: ElementType(t).name)
+def test_gemv_equals_float64_dot_of_rounded_weights(element_type):
+    """Each pair's output row is the exact dot product of the bf16-rounded dequantized weights
+    (gate rows, then up rows from the second role) with the pair's token, rounded once."""
+    element_type = ElementType(element_type)
+    rng = np.random.default_rng(int(element_type))
+    rows, cols, slots = 24, 512, 3
+    arena, slot_bytes, nbytes, second = _arena(element_type, (rows, cols), slots, rng)
+    weight = gemv_weight([RoleEntry(Role.GATE, int(element_type), 0, nbytes, (rows, cols)),
+                          RoleEntry(Role.UP, int(element_type), second, nbytes, (rows, cols))], rows=2 * rows, cols=cols)
+    assert weight is not None
+    x = torch.randn(3, cols).bfloat16()
+    pair_slots = torch.tensor([2, 0, 1, 2, 1], dtype=torch.int32)
+    tokens = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32)
+    got = moe_gemv(x.to(DEVICE), pair_slots.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
+                   tokens=tokens.to(DEVICE)).cpu()
+
+    objects = arena.view(slots, slot_bytes)[pair_slots.long()]
+    values = [dequantize_many(objects[:, o:o + nbytes].contiguous(), element_type, (rows, cols), torch.float32)
+              for o in (0, second)]
+    w = torch.cat(values, dim=1).bfloat16().double()  # [P, 2 rows, cols]
+    exact = torch.einsum("pnk,pk->pn", w, x.double()[tokens.long()])
+    expected = exact.bfloat16()
+    ulp = (expected.float().abs() * 2**-7).clamp(min=1e-30)  # one bf16 ulp (8 significant bits)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 2 * rows)
+    assert torch.all((got.float() - expected.float()).abs() <= ulp), element_type.name
+    assert (got == expected).float().mean() >= 0.95, element_type.name
+
+
+@pytest.mark.parametrize("roles, rows, cols, why", [
+    ((RoleEntry(Role.GATE, int(ElementType.Q4_K), 0, 144, (1, 256)),
+      RoleEntry(Role.UP, int(ElementType.Q8_0), 256, 272, (1, 256))), 2, 256, "two element types"),
+    ((RoleEntry(Role.GATE, int(ElementType.F4_E2M1X2), 0, 128, (1, 256)),), 1, 256, "block-scaled"),
+    ((RoleEntry(Role.GATE, int(ElementType.Q4_K), 0, 144, (1, 256)),), 1, 512, "wrong column count"),
+    ((RoleEntry(Role.GATE, int(ElementType.Q4_K), 0, 144, (1, 256)),), 2, 256, "wrong row count"),
+])
+def test_gemv_weight_refuses_what_it_cannot_read(roles, rows, cols, why):
+    assert gemv_weight(roles, rows=rows, cols=cols) is None, why
+
+
+def test_gemv_reads_a_negative_slot_without_faulting():
+    """An absent expert (slot -1 in the slot map) reads slot 0: defined memory, discarded result."""
+    rng = np.random.default_rng(1)
+    arena, slot_bytes, nbytes, second = _arena(ElementType.Q8_0, (8, 64), 2, rng)
+    weight = gemv_weight([RoleEntry(Role.DOWN, int(ElementType.Q8_0), 0, nbytes, (8, 64))], rows=8, cols=64)
+    x = torch.randn(2, 64).bfloat16().to(DEVICE)
+    a = moe_gemv(x, torch.tensor([-1, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes, weight)
+    b = moe_gemv(x, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes, weight)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (5, 2), (3, 6)])
+def test_combine_equals_eager_index_add_order(tokens, top_k):
+    """Per token: 0 + c(e1) + c(e2) + ... in ascending expert id, each term and sum rounded to
+    bfloat16, exactly what transformers' eager loop of index_add_ computes."""
+    generator = torch.Generator().manual_seed(tokens * top_k)
+    hidden = 300  # not a multiple of the kernel's block
+    top_k_index = torch.stack([torch.randperm(16, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator).bfloat16()
+    y = torch.randn(tokens * top_k, hidden, generator=generator).bfloat16()
+    order = torch.argsort(top_k_index, dim=1, stable=True)
+    got = moe_combine(y.to(DEVICE), weights.to(DEVICE), order.to(DEVICE)).cpu()
+    expected = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    for expert in top_k_index.unique().tolist():  # eager: one index_add_ per expert, ascending
+        token_idx, slot = torch.where(top_k_index == expert)
+        contribution = y.view(tokens, top_k, hidden)[token_idx, slot] * weights[token_idx, slot, None]
+        expected.index_add_(0, token_idx, contribution)
+    assert torch.equal(got, expected)
+
+
+FUSED_CASES = {  # name: (arch, layout, model size)
+    "qwen3_moe F32 experts": ("qwen3_moe", None, {}),
+    "mixtral Q4_K gate/up, Q6_K down": (
+        "mixtral", PackLayout(types=((Role.GATE, ElementType.Q4_K), (Role.UP, ElementType.Q4_K),
+                                     (Role.DOWN, ElementType.Q6_K))), {"hidden": 256, "moe_intermediate": 256}),
+    "gpt_oss MXFP4 GGUF layout (split gate/up, F32 biases)": (
+        "gpt_oss", PackLayout(GGUF_GPT_OSS_ROLES, "out_in", "concat",
+                              tuple((r, ElementType.MXFP4) for r in (Role.GATE, Role.UP, Role.DOWN))), {}),
+    "gpt_oss transformers layout (in_out: gather fallback)": ("gpt_oss", None, {}),
+    "deepseek_v3 mixed Q8_0 gate, Q4_0 up, Q5_K down (two GEMVs)": (
+        "deepseek_v3", PackLayout(types=((Role.GATE, ElementType.Q8_0), (Role.UP, ElementType.Q4_0),
+                                         (Role.DOWN, ElementType.Q5_K))), {"hidden": 256, "moe_intermediate": 256}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_model_matches_eager_bfloat16(case, tmp_path):
+    """Greedy tokens equal transformers' eager bf16 model; logits within bf16 noise."""
+    arch, layout, sizes = FUSED_CASES[case]
+    reference32, bundle_dir = make_case(arch, tmp_path / "bundle", layout, **sizes)
+    reference32.save_pretrained(tmp_path / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16,
+                                                     experts_implementation="eager").eval().to(DEVICE)
+    with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=LocalPackSource,
+                    experts_compute="fused") as loaded:
+        bindings = [getattr(m, BINDING_ATTRIBUTE) for _, m in experts_modules(loaded.model).values()]
+        assert all(b.use_fused_kernels for b in bindings)
+        assert all((b.fused is None) == (case.startswith("gpt_oss transformers")) for b in bindings), case
+        relative = compare(reference, loaded.model, f"{case} fused")
+    assert relative < 4e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 40], ids=["pairs", "grouped"])
+def test_fused_layer_matches_exact_layer(tokens, tmp_path):
+    """One experts module, decode-sized (per-pair GEMVs) and prefill-sized (grouped GEMM over
+    distinct experts: 80 pairs), fused against the exact path on the same inputs."""
+    layout = PackLayout(types=((Role.GATE, ElementType.Q4_K), (Role.UP, ElementType.Q4_K), (Role.DOWN, ElementType.Q8_0)))
+    _, bundle_dir = make_case("qwen3_moe", tmp_path / "bundle", layout, hidden=256, moe_intermediate=256)
+    outputs = {}
+    for compute in ("exact", "fused"):
+        with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=LocalPackSource,
+                        experts_compute=compute) as loaded:
+            _, module = experts_modules(loaded.model)[0]
+            generator = torch.Generator().manual_seed(7)
+            x = torch.randn(tokens, 256, generator=generator).bfloat16().to(DEVICE)
+            top_k_index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(tokens)]).to(DEVICE)
+            top_k_weights = torch.rand(tokens, 2, generator=generator).bfloat16().to(DEVICE)
+            with torch.no_grad():
+                outputs[compute] = expertpack_experts_forward(module, x, top_k_index, top_k_weights).float().cpu()
+    exact, fused = outputs["exact"], outputs["fused"]
+    assert (fused - exact).abs().max() <= 2 * 2**-7 * exact.abs().max()
