@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-address", help="host:port of the Prometheus endpoint, or 'off'")
     parser.add_argument("--device", help="'cpu' or 'cuda:N'")
     parser.add_argument("--shutdown-grace-seconds", type=float)
+    parser.add_argument("--fence-timeout-seconds", type=float,
+                        help="how long a session may stay mid-step while a slot it may read waits (default 10)")
     parser.add_argument("--max-ids-per-acquire", type=int)
     return parser
 
@@ -51,7 +53,7 @@ def config_from_args(args: argparse.Namespace) -> StoragedConfig:
         "io_parallelism": args.io_parallelism, "direct_io": args.direct_io,
         "verify_checksums": args.verify_checksums, "metrics_address": args.metrics_address,
         "device": args.device, "shutdown_grace_seconds": args.shutdown_grace_seconds,
-        "max_ids_per_acquire": args.max_ids_per_acquire,
+        "max_ids_per_acquire": args.max_ids_per_acquire, "fence_timeout_seconds": args.fence_timeout_seconds,
     }
     return load_config(args.config, overrides, extra_models=dict(args.model or ()))
 

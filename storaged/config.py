@@ -74,6 +74,10 @@ class StoragedConfig:
     metrics_address: str = DEFAULT_METRICS_ADDRESS  # host:port of the Prometheus endpoint; "" = off
     device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
     shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
+    # A session mid-step (reading the slot map on the device) longer than this while a slot it may
+    # read waits for reuse has its step fence revoked (server/fences.py): one stuck client must
+    # not stall everyone's misses.
+    fence_timeout_seconds: float = 10.0
     max_ids_per_acquire: int = 1024  # most expert ids in one Acquire or Prefetch (Kimi-K2: 384 a layer)
     # Peer-credential allow-lists (SO_PEERCRED): when either is set, a client is served only if
     # its uid is in allowed_uids or its gid or a supplementary group is in allowed_gids; the
@@ -113,6 +117,10 @@ class StoragedConfig:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 3600:
             raise ConfigError("shutdown_grace_seconds", grace, "expected seconds between 0 and 3600")
         set_(self, "shutdown_grace_seconds", float(grace))
+        fence = self.fence_timeout_seconds
+        if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not 0.01 <= fence <= 3600:
+            raise ConfigError("fence_timeout_seconds", fence, "expected seconds between 0.01 and 3600")
+        set_(self, "fence_timeout_seconds", float(fence))
         set_(self, "metrics_address", self._checked_metrics_address())
         for field in ("allowed_uids", "allowed_gids"):
             set_(self, field, self._checked_ids(field))

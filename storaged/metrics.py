@@ -78,6 +78,18 @@ class StoragedMetrics:
         self.prefetch_wasted = Counter(p + "prefetch_wasted_total",
                                        "Prefetched experts evicted without being acquired", registry=r)
         self.sessions = Gauge(p + "sessions", "Attached client sessions", registry=r)
+        self.demotions = Counter(p + "demotions_total", "VRAM victims copied down to the host tier",
+                                 registry=r)
+        self.d2h_bytes = Counter(p + "d2h_bytes_total", "Bytes copied device to host (demotions)", registry=r)
+        self.fence_waits = Counter(p + "fence_waits_total",
+                                   "Slot reuses that waited for a session to finish a device step", registry=r)
+        self.fence_wait_seconds = Counter(p + "fence_wait_seconds_total",
+                                          "Seconds slot reuses waited for sessions' device steps", registry=r)
+        self.fence_revocations = Counter(p + "fence_revocations_total",
+                                         "Sessions whose step fence was revoked for staying mid-step too long",
+                                         registry=r)
+        self.dataplane_requests = Counter(p + "dataplane_requests_total", "Data plane requests, by kind",
+                                          ["kind"], registry=r)
         for tier in TIERS:  # every labelled series exists from the start, at zero
             for metric in (self.hits, self.misses, self.evictions, self.resident_experts, self.resident_bytes):
                 metric.labels(tier=tier)
@@ -126,6 +138,13 @@ class StoragedMetrics:
 
     def set_sessions(self, count: int) -> None:
         self.sessions.set(count)
+
+    def record_demotion(self, nbytes: int) -> None:
+        self.demotions.inc()
+        self.d2h_bytes.inc(nbytes)
+
+    def record_dataplane_request(self, kind: str) -> None:
+        self.dataplane_requests.labels(kind=kind).inc()
 
     # ---- export -----------------------------------------------------------------------------------
 

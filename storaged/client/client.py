@@ -28,13 +28,14 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.client import replies
 from storaged.client.errors import ClientClosed, StorageError, Unavailable, from_rpc_error
-from storaged.client.layout import LayerLayout, ObjectLayout, arena_from_proto, layers_from_proto
+from storaged.client.dataplane import DataPlaneClient, StepFence
+from storaged.client.layout import (LayerLayout, ObjectLayout, SlotMapView, arena_from_proto, layers_from_proto,
+                                    slot_map_from_proto)
 from storaged.device.client_arena import ClientArena, map_arena
+from storaged.wire import dataplane as wire
+from storaged.wire.session import SESSION_METADATA_KEY
 
 _END = object()  # ends a stream's request iterator
-# Acquire call metadata naming the session: the server binds the stream to the session when the
-# call opens, so the session ends with this process even before its first request.
-SESSION_METADATA_KEY = "expertpack-session"
 
 
 class _AcquireStream:
@@ -68,27 +69,52 @@ class _AcquireStream:
 
 
 class Session:
-    """A model attached in the daemon: the mapped arena, the slot layout, and the Acquire stream."""
+    """A model attached in the daemon: the mapped arena, the slot layout, and the channel its
+    Acquire, Prefetch and Release travel on: the data plane when the daemon offers it (a round
+    trip of tens of microseconds), else a gRPC Acquire stream (hundreds)."""
 
-    def __init__(self, client: StorageClient, model: str, reply: pb.AttachResponse):
+    def __init__(self, client: StorageClient, model: str, reply: pb.AttachResponse, *, data_plane: bool = True):
         self._client = client
         self.model = model
         self.id = reply.session_id
         self.slot_size = reply.slot_bytes
         self.slot_count = reply.slot_count
         self.layers: dict[int, LayerLayout] = layers_from_proto(reply.layout)
+        self.slot_map_view: SlotMapView | None = slot_map_from_proto(reply)
+        self._plane: DataPlaneClient | None = None
+        self._stream: _AcquireStream | None = None
         try:
             self.arena: ClientArena = map_arena(arena_from_proto(reply.arena, reply.slot_bytes,
                                                                  reply.slot_count))
+            offered = reply.HasField("data_plane") and reply.data_plane.version == wire.VERSION
+            if data_plane and offered:
+                # Opened now, not at the first acquire: the session's lifetime is this connection's.
+                self._plane = DataPlaneClient(reply.data_plane.socket_path, self.id, timeout=client.timeout)
         except BaseException:
             with contextlib.suppress(StorageError):
-                client._call("Detach", pb.DetachRequest(session_id=self.id))  # no stream yet: end it
+                client._call("Detach", pb.DetachRequest(session_id=self.id))  # nothing bound yet: end it
             raise
-        self._lock = threading.Lock()  # pairs each request with its reply on the shared stream
+        self._lock = threading.Lock()  # pairs each request with its reply on the shared channel
         self._next_request = 0
         self._closed = False
-        # Opened now, not at the first acquire: the session's lifetime is this stream's.
-        self._stream: _AcquireStream | None = _AcquireStream(client._stub, self.id)
+        if self._plane is None:
+            # Opened now, not at the first acquire: the session's lifetime is this stream's.
+            self._stream = _AcquireStream(client._stub, self.id)
+
+    @property
+    def fence(self) -> StepFence | None:
+        """The step fence that makes reading the slot map on the device safe (data plane only)."""
+        return self._plane.fence if self._plane is not None else None
+
+    def slot_map(self):
+        """int32 [rows, experts] view of this model's slot map in the arena (rows: slot_map_view.layers),
+        or None when the daemon publishes none. Read it only inside a `fence.step()`."""
+        view = self.slot_map_view
+        if view is None or self.arena.descriptor.map_entries == 0:
+            return None
+        first = view.offset_bytes // 4
+        entries = len(view.layers) * view.experts_per_row
+        return self.arena.slot_map()[first:first + entries].view(len(view.layers), view.experts_per_row)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -116,6 +142,8 @@ class Session:
         (-1: already complete). For callers that manage their own streams."""
         with self._lock:
             self._check_open()
+            if self._plane is not None:
+                return self._plane.acquire(layer, experts, release_other_layers=release_other_layers)
             self._next_request += 1
             request = pb.AcquireRequest(session_id=self.id, layer=layer, experts=experts,
                                         request_id=self._next_request,
@@ -134,12 +162,21 @@ class Session:
 
     def release(self, layer: int | None = None) -> None:
         """Unpin `layer`'s slots, or every slot of the session."""
-        self._check_open()
+        with self._lock:
+            self._check_open()
+            if self._plane is not None:
+                self._plane.release(layer)
+                return
         self._client._call("Release", pb.ReleaseRequest(session_id=self.id, layer=layer))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Hint that `experts` of `layer` will be acquired soon; returns at once."""
-        self._check_open()
+        """Hint that `experts` of `layer` will be acquired soon. On the data plane it returns without
+        waiting for the reply (an error in it is raised by the next call that waits)."""
+        with self._lock:
+            self._check_open()
+            if self._plane is not None:
+                self._plane.prefetch(layer, experts)
+                return
         self._client._call("Prefetch", pb.PrefetchRequest(session_id=self.id, layer=layer, experts=experts))
 
     def object_layout(self, layer: int, expert: int) -> ObjectLayout:
@@ -166,8 +203,11 @@ class Session:
                 return
             self._closed = True
             stream, self._stream = self._stream, None
+            plane, self._plane = self._plane, None
         if stream is not None:
             stream.close()
+        if plane is not None:
+            plane.close()  # the daemon ends the session when its data plane connection closes
         try:
             self._client._call("Detach", pb.DetachRequest(session_id=self.id))
         except (StorageError, ClientClosed):
@@ -205,8 +245,10 @@ class StorageClient:
     def stats(self) -> replies.Stats:
         return replies.stats(self._call("Stats", pb.StatsRequest()))
 
-    def attach(self, model: str) -> Session:
-        return Session(self, model, self._call("Attach", pb.AttachRequest(model=model)))
+    def attach(self, model: str, *, data_plane: bool = True) -> Session:
+        """A new session on `model`; its requests use the data plane unless `data_plane` is False
+        or the daemon does not offer it (then a gRPC Acquire stream)."""
+        return Session(self, model, self._call("Attach", pb.AttachRequest(model=model)), data_plane=data_plane)
 
     def wait_until_serving(self, timeout: float = 30.0) -> None:
         """Poll the standard health service until the daemon reports SERVING."""

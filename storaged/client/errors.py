@@ -59,3 +59,12 @@ def from_rpc_error(error: grpc.RpcError, rpc: str) -> StorageError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
     return _BY_CODE.get(code, StorageError)(code, details or "", rpc=rpc)
+
+
+_CODES_BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(code: int, message: str, rpc: str) -> StorageError:
+    """The typed exception for a status the data plane returned (gRPC's numeric code)."""
+    status = _CODES_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(status, StorageError)(status, message, rpc=rpc)

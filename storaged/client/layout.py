@@ -67,6 +67,29 @@ def layers_from_proto(layout: pb.ModelLayout) -> dict[int, LayerLayout]:
     return layers
 
 
+@dataclass(frozen=True)
+class SlotMapView:
+    """Where a model's rows of the arena's slot map are (AttachResponse.slot_map)."""
+
+    offset_bytes: int  # of the model's first entry, from the start of the arena allocation
+    experts_per_row: int
+    layers: tuple[int, ...]  # model layer index of each row
+
+    def row(self, layer: int) -> int:
+        """The row of a MoE layer; KeyError naming the layers when it has none."""
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise KeyError(f"layer {layer} has no row in the slot map (rows: {list(self.layers)})") from None
+
+
+def slot_map_from_proto(reply: pb.AttachResponse) -> SlotMapView | None:
+    if not reply.HasField("slot_map"):
+        return None
+    m = reply.slot_map
+    return SlotMapView(m.offset_bytes, m.experts_per_row, tuple(m.layers))
+
+
 def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int) -> ArenaDescriptor:
     """The device module's descriptor, ready for map_arena."""
     which = arena.WhichOneof("memory")
@@ -75,7 +98,7 @@ def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int
             raise ArenaDescriptorError(f"shm arena at offset {arena.shm.offset} of {arena.shm.path}: "
                                        "this client maps arenas at offset 0 only")
         return ArenaDescriptor(kind=KIND_SHM, slot_bytes=slot_bytes, slot_count=slot_count,
-                               shm_path=arena.shm.path)
+                               shm_path=arena.shm.path, map_entries=arena.slot_map_entries)
     if which == "cuda_ipc":
         c = arena.cuda_ipc
         return ArenaDescriptor(
@@ -83,5 +106,6 @@ def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int
             ipc_handle=c.ipc_handle, storage_size_bytes=c.storage_size_bytes,
             storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
             ref_counter_offset=c.ref_counter_offset, export_event_handle=c.event_handle,
-            export_event_sync_required=c.event_sync_required, event_handles=tuple(arena.event_handles))
+            export_event_sync_required=c.event_sync_required, event_handles=tuple(arena.event_handles),
+            map_entries=arena.slot_map_entries)
     raise ArenaDescriptorError(f"Attach reply has no arena memory (oneof 'memory' is {which!r})")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 
@@ -59,6 +59,10 @@ class Stats:
     read_latency_mean_us: float
     loads_in_flight: int
     reads: int
+    demotions: int  # VRAM victims copied down to the host tier
+    d2h_bytes: int
+    fence_waits: int  # slot reuses that waited for a session's device step
+    fence_revocations: int
 
 
 def server_info(reply: pb.InfoResponse) -> ServerInfo:
@@ -70,10 +74,7 @@ def server_info(reply: pb.InfoResponse) -> ServerInfo:
 
 
 def stats(reply: pb.StatsResponse) -> Stats:
+    """Every field of Stats from the reply field of the same name (one list: the dataclass)."""
     tiers = {t.tier: TierStats(t.hits, t.misses, t.evictions, t.resident_experts, t.resident_bytes,
                                t.capacity_slots, t.coalesced) for t in reply.tiers}
-    return Stats(
-        tiers, reply.bytes_read, reply.h2d_bytes, reply.io_errors, reply.checksum_failures,
-        reply.prefetch_issued, reply.prefetch_used, reply.prefetch_wasted, reply.sessions, reply.pins,
-        reply.acquires, reply.capacity_exhausted, reply.acquire_latency_mean_us,
-        reply.read_latency_mean_us, reply.loads_in_flight, reply.reads)
+    return Stats(tiers=tiers, **{f.name: getattr(reply, f.name) for f in fields(Stats) if f.name != "tiers"})

@@ -16,11 +16,12 @@ import secrets
 import torch
 
 from packtools.pack.constants import ALIGNMENT
-from storaged.device.descriptor import KIND_SHM, ArenaDescriptor
+from storaged.device.descriptor import KIND_SHM, ArenaDescriptor, map_region_bytes
 from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
 from storaged.io.host_memory import AlignedBuffer
 
 HostSource = AlignedBuffer | torch.Tensor | memoryview
+ABSENT = -1  # slot map value of an object that is not resident (storaged.policy.slot_map.ABSENT)
 SHM_MODES = (0o600, 0o660)
 
 
@@ -81,32 +82,73 @@ COMPLETED = CopyHandle()
 
 
 class Arena(abc.ABC):
-    """slot_count slots of slot_bytes (a multiple of 4096) in one allocation."""
+    """slot_count slots of slot_bytes (a multiple of 4096) in one allocation, followed by the
+    slot map: `map_entries` int32 entries (storaged.policy.slot_map), -1 until published.
+
+    The map is what lets a client find hits on the device without a round trip, so its writes
+    follow one rule: an entry names a slot only while that slot's bytes are the object's.
+    `publish` is called once a copy into the slot has completed, `unpublish` before the slot is
+    reused; both return once the new value is visible to every later reader.
+    """
 
     kind: str
 
-    def __init__(self, slot_count: int, slot_bytes: int):
+    def __init__(self, slot_count: int, slot_bytes: int, map_entries: int = 0):
         if slot_count <= 0:
             raise ValueError(f"slot_count must be > 0, got {slot_count}")
         if slot_bytes <= 0 or slot_bytes % ALIGNMENT:
             raise ValueError(f"slot_bytes {slot_bytes} is not a positive multiple of {ALIGNMENT}")
+        if map_entries < 0:
+            raise ValueError(f"map_entries must be >= 0, got {map_entries}")
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
-        self._tensor: torch.Tensor | None = None  # uint8 [slot_count * slot_bytes]
+        self.map_entries = map_entries
+        self._tensor: torch.Tensor | None = None  # uint8 [allocation_bytes]: slots, then the map
 
     @property
     def arena_bytes(self) -> int:
+        """Bytes of the slots."""
         return self.slot_count * self.slot_bytes
+
+    @property
+    def allocation_bytes(self) -> int:
+        """Bytes of the whole allocation: the slots and the slot map."""
+        return self.arena_bytes + map_region_bytes(self.map_entries)
+
+    def _map_view(self) -> torch.Tensor:
+        """int32 [map_entries] view of the map region of the allocation."""
+        tensor = self._live()
+        return tensor[self.arena_bytes:self.arena_bytes + 4 * self.map_entries].view(torch.int32)
+
+    def _live(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ArenaClosedError(f"{self.kind} arena is closed")
+        return self._tensor
+
+    def read_map(self, index: int) -> int:
+        """The published value of one map entry (tests and diagnostics)."""
+        self._check_map_index(index)
+        return int(self._map_view()[index].item())
+
+    def _check_map_index(self, index: int) -> None:
+        if not 0 <= index < self.map_entries:
+            raise IndexError(f"slot map entry {index} outside [0, {self.map_entries})")
+
+    @abc.abstractmethod
+    def publish(self, index: int, slot: int) -> None:
+        """Map entry `index` names `slot` from now on; call only once the slot's bytes are complete."""
+
+    @abc.abstractmethod
+    def unpublish(self, indices: list[int]) -> None:
+        """Map entries `indices` read -1 from now on (visible before this returns)."""
 
     def slot_tensor(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         """uint8 [nbytes] view of slot's first nbytes (whole slot by default), in this process."""
         nbytes = self.slot_bytes if nbytes is None else nbytes
         if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
             raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count, nbytes, self.slot_bytes)
-        if self._tensor is None:
-            raise ArenaClosedError(f"{self.kind} arena is closed")
         start = slot * self.slot_bytes  # byte offset of the slot in the arena
-        return self._tensor[start:start + nbytes]
+        return self._live()[start:start + nbytes]
 
     @abc.abstractmethod
     def descriptor(self) -> ArenaDescriptor:
@@ -172,8 +214,9 @@ class CpuArena(Arena):
 
     kind = KIND_SHM
 
-    def __init__(self, slot_count: int, slot_bytes: int, *, mode: int = 0o600, directory: str = "/dev/shm"):
-        super().__init__(slot_count, slot_bytes)
+    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, mode: int = 0o600,
+                 directory: str = "/dev/shm"):
+        super().__init__(slot_count, slot_bytes, map_entries)
         if mode not in SHM_MODES:
             raise ValueError(f"shm arena mode {oct(mode)} is not one of {[oct(m) for m in SHM_MODES]}")
         remove_stale_arenas(directory)
@@ -182,22 +225,36 @@ class CpuArena(Arena):
         try:
             os.fchmod(fd, mode)  # the umask may have narrowed it
             # Reserve the pages now: a full /dev/shm should fail here, not SIGBUS on a later copy.
-            os.posix_fallocate(fd, 0, self.arena_bytes)
-            self._mmap = mmap.mmap(fd, self.arena_bytes, flags=mmap.MAP_SHARED,
+            os.posix_fallocate(fd, 0, self.allocation_bytes)
+            self._mmap = mmap.mmap(fd, self.allocation_bytes, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.unlink(self.path)
-            raise ArenaError(f"{self.path}: cannot create a {self.arena_bytes}-byte shm arena: "
+            raise ArenaError(f"{self.path}: cannot create a {self.allocation_bytes}-byte shm arena: "
                              f"{exc.strerror}") from exc
         finally:
             os.close(fd)
-        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # [arena_bytes]
+        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # [allocation_bytes]
+        self._map_view().fill_(ABSENT)
 
     def descriptor(self) -> ArenaDescriptor:
         if self._tensor is None:
             raise ArenaClosedError(f"{self.path}: arena is closed")
         return ArenaDescriptor(kind=KIND_SHM, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
-                               shm_path=self.path)
+                               shm_path=self.path, map_entries=self.map_entries)
+
+    def publish(self, index: int, slot: int) -> None:
+        self._check_map_index(index)
+        if not 0 <= slot < self.slot_count:
+            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        self._map_view()[index] = slot  # an aligned 4-byte store: readers see old or new, never a mix
+
+    def unpublish(self, indices: list[int]) -> None:
+        for index in indices:
+            self._check_map_index(index)
+        view = self._map_view()
+        for index in indices:
+            view[index] = ABSENT
 
     def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
         self.slot_tensor(slot, nbytes).copy_(host_bytes(source, nbytes, f"copy into slot {slot}"))
@@ -220,15 +277,15 @@ class CpuArena(Arena):
             pass
 
 
-def create_arena(kind: str, slot_count: int, slot_bytes: int, *, device: int = 0,
+def create_arena(kind: str, slot_count: int, slot_bytes: int, *, map_entries: int = 0, device: int = 0,
                  event_count: int = 256, shm_mode: int = 0o600) -> Arena:
     """kind 'cpu' (shared memory), 'cuda' (device `device`) or 'auto' (cuda when available)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
-        return CpuArena(slot_count, slot_bytes, mode=shm_mode)
+        return CpuArena(slot_count, slot_bytes, map_entries=map_entries, mode=shm_mode)
     if kind == "cuda":
         from storaged.device.cuda_arena import CudaArena
 
-        return CudaArena(slot_count, slot_bytes, device=device, event_count=event_count)
+        return CudaArena(slot_count, slot_bytes, map_entries=map_entries, device=device, event_count=event_count)
     raise ValueError(f"arena kind {kind!r} is not one of 'cpu', 'cuda', 'auto'")

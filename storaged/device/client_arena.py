@@ -28,7 +28,7 @@ class ClientArena:
         self.descriptor = descriptor
         self.slot_bytes = descriptor.slot_bytes
         self.slot_count = descriptor.slot_count
-        self._tensor: torch.Tensor | None = tensor  # uint8 [slot_count * slot_bytes]
+        self._tensor: torch.Tensor | None = tensor  # uint8 [mapped_bytes]: the slots, then the slot map
 
     @property
     def device(self) -> torch.device:
@@ -46,6 +46,16 @@ class ClientArena:
             raise SlotRangeError("client arena", slot, self.slot_count, nbytes, self.slot_bytes)
         start = slot * self.slot_bytes  # byte offset of the slot in the arena
         return self._live()[start:start + nbytes]
+
+    def slots(self) -> torch.Tensor:
+        """uint8 [slot_count * slot_bytes]: every slot, for kernels that index slots themselves."""
+        return self._live()[: self.descriptor.arena_bytes]
+
+    def slot_map(self) -> torch.Tensor:
+        """int32 [map_entries]: the daemon's slot map (storaged.policy.slot_map), read-only use.
+        An entry may change at any time; a reader is protected by its session's step fence."""
+        d = self.descriptor
+        return self._live()[d.map_offset:d.map_offset + 4 * d.map_entries].view(torch.int32)
 
     def wait_event(self, index: int, stream=None) -> None:
         """Make `stream` wait for the copy that recorded event `index`. No-op for shm arenas."""
@@ -66,16 +76,16 @@ class SharedMemoryClientArena(ClientArena):
             raise ArenaMapError(f"{descriptor.shm_path}: cannot open shm arena: {exc.strerror}") from None
         try:
             size = os.fstat(fd).st_size
-            if size < descriptor.arena_bytes:
+            if size < descriptor.mapped_bytes:
                 raise ArenaMapError(f"{descriptor.shm_path}: file is {size} bytes, the descriptor needs "
-                                    f"{descriptor.arena_bytes}")
-            mapping = mmap.mmap(fd, descriptor.arena_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                                    f"{descriptor.mapped_bytes}")
+            mapping = mmap.mmap(fd, descriptor.mapped_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         with warnings.catch_warnings():
             # torch warns that the buffer is not writable: that is the point of this mapping.
             warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # [arena_bytes]
+            tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # [mapped_bytes]
         super().__init__(descriptor, tensor)
 
 
@@ -93,7 +103,7 @@ class CudaIpcClientArena(ClientArena):
         # decrements the server's refcount when this storage is freed.
         try:
             tensor = rebuild_cuda_tensor(
-                torch.Tensor, torch.Size([d.arena_bytes]), (1,), 0, torch.storage.TypedStorage,
+                torch.Tensor, torch.Size([d.mapped_bytes]), (1,), 0, torch.storage.TypedStorage,
                 torch.uint8, d.device_index, d.ipc_handle, d.storage_size_bytes, d.storage_offset_bytes,
                 False, d.ref_counter_handle, d.ref_counter_offset, d.export_event_handle,
                 d.export_event_sync_required)

@@ -13,16 +13,17 @@ import threading
 
 import torch
 
-from storaged.device.arena import Arena, CopyHandle, HostSource, host_bytes
+from storaged.device.arena import ABSENT, Arena, CopyHandle, HostSource, host_bytes
 from storaged.device.descriptor import KIND_CUDA_IPC, ArenaDescriptor
-from storaged.device.errors import ArenaClosedError, CudaUnavailableError
+from storaged.device.errors import ArenaClosedError, CudaUnavailableError, SlotRangeError
 
 
 class CudaArena(Arena):
     kind = KIND_CUDA_IPC
 
-    def __init__(self, slot_count: int, slot_bytes: int, *, device: int = 0, event_count: int = 256):
-        super().__init__(slot_count, slot_bytes)
+    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, device: int = 0,
+                 event_count: int = 256):
+        super().__init__(slot_count, slot_bytes, map_entries)
         if not torch.cuda.is_available():
             raise CudaUnavailableError("a CUDA arena needs a CUDA build of torch and a visible GPU")
         if not 0 <= device < torch.cuda.device_count():
@@ -33,7 +34,13 @@ class CudaArena(Arena):
         self.device = torch.device("cuda", device)
         with torch.cuda.device(self.device):
             # One caching-allocator block of its own: an export covers exactly this tensor.
-            self._tensor = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
+            self._tensor = torch.empty(self.allocation_bytes, dtype=torch.uint8, device=self.device)
+            self._map_view().fill_(ABSENT)
+            # The map's truth on the host (pinned, so an entry is copied straight by DMA), and a
+            # stream of its own: a map write never queues behind megabytes of object copies.
+            self._map_host = torch.full((map_entries,), ABSENT, dtype=torch.int32).pin_memory()
+            self._map_stream = torch.cuda.Stream(self.device)
+            torch.cuda.synchronize(self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
             # blocking=True: a server thread in synchronize() sleeps instead of spinning a core.
             self._events = [torch.cuda.Event(blocking=True, interprocess=True) for _ in range(event_count)]
@@ -60,7 +67,30 @@ class CudaArena(Arena):
             storage_offset_bytes=int(offset), ref_counter_handle=bytes(ref_handle),
             ref_counter_offset=int(ref_offset), export_event_handle=bytes(event_handle or b""),
             export_event_sync_required=bool(event_sync_required), event_handles=self._event_handles,
+            map_entries=self.map_entries,
         )
+
+    def publish(self, index: int, slot: int) -> None:
+        self._check_map_index(index)
+        if not 0 <= slot < self.slot_count:
+            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        self._write_map([index], slot)
+
+    def unpublish(self, indices: list[int]) -> None:
+        for index in indices:
+            self._check_map_index(index)
+        if indices:
+            self._write_map(indices, ABSENT)
+
+    def _write_map(self, indices: list[int], value: int) -> None:
+        """Set entries on the host copy, copy each to the device, wait: a kernel launched by any
+        process after this returns reads the new value. ~10 us per call, from the event loop."""
+        device_map = self._map_view()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._map_stream):
+            for index in indices:
+                self._map_host[index] = value
+                device_map[index:index + 1].copy_(self._map_host[index:index + 1], non_blocking=True)
+        self._map_stream.synchronize()
 
     def _live_tensor(self) -> torch.Tensor:
         if self._tensor is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from packtools.pack.constants import ALIGNMENT
+from packtools.pack.constants import ALIGNMENT, align_up
 from storaged.device.errors import ArenaDescriptorError
 
 KIND_SHM = "shm"  # a shared-memory file mmap'd by both processes (no CUDA)
@@ -35,6 +35,8 @@ class ArenaDescriptor:
     export_event_sync_required: bool = False
     # KIND_CUDA_IPC: interprocess copy events; a CopyHandle's event_index indexes this list.
     event_handles: tuple[bytes, ...] = field(default_factory=tuple)
+    # int32 entries of the slot map that follows the slots (at byte arena_bytes); 0: no map
+    map_entries: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "event_handles", tuple(self.event_handles))
@@ -50,10 +52,29 @@ class ArenaDescriptor:
             if self.device_index < 0 or not self.ipc_handle or not self.ref_counter_handle:
                 raise ArenaDescriptorError(f"cuda_ipc arena descriptor lacks device {self.device_index}, "
                                            "IPC handle or ref counter handle")
-            if self.storage_size_bytes < self.slot_bytes * self.slot_count:
+            if self.storage_size_bytes < self.mapped_bytes:
                 raise ArenaDescriptorError(f"storage of {self.storage_size_bytes} bytes cannot hold "
-                                           f"{self.slot_count} slots of {self.slot_bytes} bytes")
+                                           f"{self.slot_count} slots of {self.slot_bytes} bytes and a slot map "
+                                           f"of {self.map_entries} entries")
+        if self.map_entries < 0:
+            raise ArenaDescriptorError(f"map_entries {self.map_entries} must be >= 0")
 
     @property
     def arena_bytes(self) -> int:
+        """Bytes of the slots (slot s at byte s * slot_bytes)."""
         return self.slot_bytes * self.slot_count
+
+    @property
+    def map_offset(self) -> int:
+        """Byte offset of the slot map: right after the slots (a multiple of 4096)."""
+        return self.arena_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes a client maps: the slots and the slot map."""
+        return self.arena_bytes + map_region_bytes(self.map_entries)
+
+
+def map_region_bytes(entries: int) -> int:
+    """Bytes the slot map of `entries` int32 entries takes, padded to whole pages."""
+    return align_up(4 * entries, ALIGNMENT)

@@ -1,7 +1,8 @@
 """storaged's cache policy: which (model, layer, expert) objects live in which tier's slots.
 
 Tiers: VRAM (one device allocation cut into equal slots), an optional pinned host-RAM tier
-(equal slots, a read-through cache of pack reads: see planner.py for why), and the pack on NVMe.
+(equal slots holding what VRAM evicted: the tiers are exclusive and add up, see planner.py), and
+the pack on NVMe. `SlotMapLayout` places each object's entry in the arena's slot map.
 
 - `SlotCache`: one tier. Entries are LOADING (slot reserved, bytes not valid, invisible to
   lookups) or READY. Replacement evicts the unpinned READY entry with the lowest decayed access
@@ -22,14 +23,15 @@ from storaged.policy.errors import (CapacityExhausted, DuplicateExpert, InvalidE
                                     InvalidLayer, InvalidRequest, PolicyError, PolicyStateError,
                                     TooManyExperts, UnknownModel)
 from storaged.policy.keys import ExpertKey, ModelLayout
-from storaged.policy.plan import (AcquirePlan, Eviction, ExpertStep, PolicyStats, PrefetchPlan,
-                                  SessionId, Source)
+from storaged.policy.plan import (AcquirePlan, Demotion, Eviction, ExpertStep, PolicyStats,
+                                  PrefetchPlan, SessionId, Source)
 from storaged.policy.planner import AcquirePlanner
 from storaged.policy.slot_cache import (EntryState, EntryView, Reservation, ResidentStats,
                                         SlotCache, TierCounters)
+from storaged.policy.slot_map import ABSENT, SlotMapLayout
 
 __all__ = [
-    "AcquirePlan", "AcquirePlanner", "CapacityExhausted", "DuplicateExpert", "EntryState",
+    "ABSENT", "Demotion", "SlotMapLayout", "AcquirePlan", "AcquirePlanner", "CapacityExhausted", "DuplicateExpert", "EntryState",
     "EntryView", "Eviction", "ExpertKey", "ExpertStep", "InvalidExpert", "InvalidLayer",
     "InvalidRequest", "ModelLayout", "PolicyError", "PolicyStateError", "PolicyStats",
     "PrefetchPlan", "Reservation", "ResidentStats", "SessionId", "SlotCache", "Source",

@@ -17,14 +17,13 @@ class Source(enum.Enum):
 
     READY = "ready"  # hit: the slot already holds the bytes
     WAIT = "wait"  # another request's load of this key is in flight: wait for its completion
-    HOST = "host"  # copy host slot → VRAM slot, then planner.complete(key)
-    PACK_VIA_HOST = "pack_via_host"  # read pack → host slot, copy → VRAM slot, complete(key)
+    HOST = "host"  # copy host slot → VRAM slot, then planner.complete(key) (frees the host slot)
     PACK = "pack"  # read pack through the caller's own staging → VRAM slot, complete(key)
 
     @property
     def needs_io(self) -> bool:
         """The caller must move bytes and then call planner.complete(key) or abort(key)."""
-        return self in (Source.HOST, Source.PACK_VIA_HOST, Source.PACK)
+        return self in (Source.HOST, Source.PACK)
 
 
 class ExpertStep(NamedTuple):
@@ -34,8 +33,9 @@ class ExpertStep(NamedTuple):
     key: ExpertKey
     slot: int  # VRAM slot index
     source: Source
-    host_slot: int | None = None  # host tier slot for HOST and PACK_VIA_HOST
+    host_slot: int | None = None  # host tier slot of a HOST step
     promote: bool = False  # WAIT on a prefetch still in flight: raise that read to demand priority
+    after_demotion: bool = False  # HOST step whose host copy is still arriving: wait for demoted(key)
 
 
 class Eviction(NamedTuple):
@@ -44,6 +44,14 @@ class Eviction(NamedTuple):
     tier: str
     key: ExpertKey
     slot: int
+
+
+class Demotion(NamedTuple):
+    """A VRAM victim to copy to a host slot before its VRAM slot is overwritten."""
+
+    key: ExpertKey
+    vram_slot: int
+    host_slot: int
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class AcquirePlan:
     layer: int
     steps: tuple[ExpertStep, ...]
     evictions: tuple[Eviction, ...]
+    demotions: tuple[Demotion, ...] = ()
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -80,6 +89,7 @@ class PrefetchPlan:
     loads: tuple[ExpertStep, ...]
     evictions: tuple[Eviction, ...]
     skipped: int  # hinted experts not loaded: already resident/loading, or no cheap slot
+    demotions: tuple[Demotion, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,3 +116,4 @@ class PolicyStats:
     pins_outstanding: int  # VRAM pins held by sessions
     host_copies_in_flight: int  # host entries pinned while copied to VRAM
     sessions: int  # sessions holding at least one pin
+    demotions: int = 0  # VRAM victims copied down to the host tier

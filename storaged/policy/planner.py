@@ -1,22 +1,23 @@
 """The Acquire / Prefetch transactions over the VRAM tier and the optional host tier.
 
-Host tier (tier 2) is a read-through cache of recently read objects, not a victim cache:
-a pack read lands in a host slot, which is then copied to the VRAM slot; a VRAM eviction drops
-the entry without any copy. Why this and not demotion on eviction:
-  - The host slots are pinned memory and the O_DIRECT read needs a pinned target anyway, so
-    the host slot *is* the staging buffer: no extra copy, and H2D runs at pinned speed.
-  - Demotion would add a device→host copy to every eviction, and an eviction sits on a miss's
-    critical path; read-through adds nothing there.
-  - The cost, inclusion (an object may sit in both tiers), is small because the host budget is
-    normally several times the VRAM budget.
-A demand read that finds no host slot (host tier off, or all pinned/loading) reads through the
-caller's own staging (Source.PACK). A prefetch only displaces entries whose decayed score is
-below `prefetch_threshold`, in both tiers, and holds no pins.
+The tiers add up: budgets of b in VRAM and b in host RAM hold about 2b of experts, because the
+host tier holds what VRAM evicted rather than what was read. A VRAM victim is demoted: its bytes
+are copied to a host slot before its VRAM slot is overwritten (the copy runs on the same in-order
+copy stream as the load that overwrites the slot, so that load needs no extra wait). A VRAM miss
+found in the host tier is copied up (Source.HOST; if the object is still being demoted, after
+the demotion); its host entry then stays as a duplicate made the coldest, so the next demotion
+reuses that slot first, and when the object later leaves VRAM again its host copy is already
+there and no copy is needed. (Freeing the host slot at copy-up instead would deadlock a swap:
+the victim's demotion wants the slot the copy-up is still reading.) A miss found in neither tier
+reads the pack into staging (Source.PACK). A demotion evicts the coldest unpinned host entry
+(duplicates first); with none, the victim is dropped (it is on disk). A prefetch only displaces
+entries whose decayed score is below `prefetch_threshold`, and holds no pins.
 
 Caller protocol: every step whose source needs I/O ends with exactly one `complete(key)` (bytes
 valid in VRAM) or `abort(key)` (I/O or checksum failure: slots freed, holders returned so their
-waiters can be failed). Not thread-safe, by design: storaged's asyncio loop thread is the
-only caller.
+waiters can be failed); every Demotion of a plan ends with `demoted(key)` or
+`demotion_failed(key)`. Not thread-safe, by design: storaged's asyncio loop thread is the only
+caller.
 """
 
 from __future__ import annotations
@@ -29,16 +30,15 @@ from storaged.policy.capacity import check_capacity
 from storaged.policy.errors import (DuplicateExpert, InvalidExpert, InvalidLayer, PolicyStateError,
                                     TooManyExperts, UnknownModel)
 from storaged.policy.keys import ExpertKey, ModelLayout
-from storaged.policy.plan import (AcquirePlan, Eviction, ExpertStep, PolicyStats, PrefetchPlan,
-                                  SessionId, Source)
+from storaged.policy.plan import (AcquirePlan, Demotion, Eviction, ExpertStep, PolicyStats,
+                                  PrefetchPlan, SessionId, Source)
 from storaged.policy.sessions import SessionPins
 from storaged.policy.slot_cache import EntryState, SlotCache
 
 
 class _HostUse(enum.Enum):
     NONE = "none"
-    COPY = "copy"  # host entry READY and pinned until the copy to VRAM is done
-    FILL = "fill"  # host entry LOADING: the pack read lands there first
+    COPY = "copy"  # host entry pinned until its copy to VRAM is done, then freed (exclusive tiers)
 
 
 @dataclass(slots=True)
@@ -69,6 +69,8 @@ class AcquirePlanner:
         self._sessions = SessionPins()
         self._pending: dict[ExpertKey, _PendingLoad] = {}
         self._prefetch_in_flight = 0
+        self._demoting: set[ExpertKey] = set()  # host entries LOADING from a VRAM victim
+        self.demotions = 0  # VRAM victims copied down to the host tier
 
     # ---- demand ------------------------------------------------------------------------------
 
@@ -115,18 +117,25 @@ class AcquirePlanner:
             missing.append(index)
 
         evictions: list[Eviction] = []
+        demotions: list[Demotion] = []
         slots: list[int] = []
+        # Sources first: a host hit must be pinned before a demotion could evict it from the host.
+        sources = self._plan_sources([keys[i] for i in missing], speculative=False)
         for index in missing:
             reservation = vram.try_reserve(keys[index])
             assert reservation is not None, f"capacity check passed but {keys[index]} got no slot"
             vram.pin(keys[index])
             slots.append(reservation.slot)
-            self._note_eviction(evictions, vram, reservation.evicted, reservation.slot)
-        sources = self._plan_sources([keys[i] for i in missing], evictions, speculative=False)
-        for index, slot, (source, host_slot) in zip(missing, slots, sources, strict=True):
-            steps[index] = ExpertStep(keys[index], slot, source, host_slot)
+            self._evict_vram(evictions, demotions, reservation)
+        for index, slot, (source, host_slot, after) in zip(missing, slots, sources, strict=True):
+            steps[index] = ExpertStep(keys[index], slot, source, host_slot, after_demotion=after)
         assert all(step is not None for step in steps)
-        return AcquirePlan(session, model, layer, tuple(steps), tuple(evictions))  # type: ignore[arg-type]
+        return AcquirePlan(session, model, layer, tuple(steps), tuple(evictions),  # type: ignore[arg-type]
+                           tuple(demotions))
+
+    def validate_layer(self, model: int, layer: int) -> None:
+        """Raise UnknownModel or InvalidLayer unless `layer` is one of the model's MoE layers."""
+        self._validate(model, layer, (), enforce_limit=False)
 
     def release(self, session: SessionId, layer: int | None = None, *,
                 model: int | None = None) -> int:
@@ -147,6 +156,7 @@ class AcquirePlanner:
         self._validate(model, layer, experts, enforce_limit=False)
         loads: list[ExpertStep] = []
         evictions: list[Eviction] = []
+        demotions: list[Demotion] = []
         for expert in experts:
             key = ExpertKey(model, layer, expert)
             if self._prefetch_in_flight >= self.max_prefetch_in_flight:
@@ -157,11 +167,11 @@ class AcquirePlanner:
                                                 evict_below=self.prefetch_threshold)
             if reservation is None:
                 break  # no free slot and the coldest entry is above threshold: same for the rest
-            self._note_eviction(evictions, self.vram, reservation.evicted, reservation.slot)
-            ((source, host_slot),) = self._plan_sources([key], evictions, speculative=True)
-            loads.append(ExpertStep(key, reservation.slot, source, host_slot))
+            ((source, host_slot, after),) = self._plan_sources([key], speculative=True)
+            self._evict_vram(evictions, demotions, reservation)
+            loads.append(ExpertStep(key, reservation.slot, source, host_slot, after_demotion=after))
         return PrefetchPlan(model, layer, tuple(loads), tuple(evictions),
-                            skipped=len(experts) - len(loads))
+                            skipped=len(experts) - len(loads), demotions=tuple(demotions))
 
     # ---- completion ----------------------------------------------------------------------------
 
@@ -170,6 +180,21 @@ class AcquirePlanner:
         pending = self._finish(key, "complete")
         self._settle_host(key, pending.host_use, loaded=True)
         return self.vram.complete(key)
+
+    def demoted(self, key: ExpertKey) -> int:
+        """A demotion's copy to its host slot completed: the host entry is READY. Returns the slot."""
+        self._end_demotion(key, "demoted")
+        return self.host.complete(key)  # type: ignore[union-attr]
+
+    def demotion_failed(self, key: ExpertKey) -> None:
+        """A demotion's copy failed: the host slot is freed (the object is on disk anyway)."""
+        self._end_demotion(key, "demotion_failed")
+        self.host.abort(key)  # type: ignore[union-attr]
+
+    def _end_demotion(self, key: ExpertKey, operation: str) -> None:
+        if key not in self._demoting:
+            raise PolicyStateError("host", key, f"{operation} with no demotion in flight")
+        self._demoting.discard(key)
 
     def abort(self, key: ExpertKey) -> frozenset[SessionId]:
         """The key's load failed: free its slots. Returns the sessions that were waiting on it."""
@@ -206,7 +231,7 @@ class AcquirePlanner:
             host_resident_entries=host_now.ready if host_now else 0,
             host_resident_bytes=host_now.resident_bytes if host_now else 0,
             pins_outstanding=vram_now.pins, host_copies_in_flight=host_now.pins if host_now else 0,
-            sessions=self._sessions.session_count,
+            sessions=self._sessions.session_count, demotions=self.demotions,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -228,36 +253,55 @@ class AcquirePlanner:
                 raise DuplicateExpert(model, layer, expert)
             seen.add(expert)
 
-    def _plan_sources(self, keys: list[ExpertKey], evictions: list[Eviction], *,
-                      speculative: bool) -> list[tuple[Source, int | None]]:
-        """Pick each VRAM-missing key's source and record its pending load."""
+    def _plan_sources(self, keys: list[ExpertKey], *, speculative: bool
+                      ) -> list[tuple[Source, int | None, bool]]:
+        """Each VRAM-missing key's (source, host slot, after_demotion); records its pending load.
+        A host hit (or an object still being demoted to the host) is pinned there until its copy
+        up completes; everything else is read from the pack."""
         if not keys:
             return []
         host = self.host
-        sources: list[tuple[Source, int | None]] = [(Source.PACK, None)] * len(keys)
-        uses = [_HostUse.NONE] * len(keys)
-        if host is not None:
-            # Host hits are pinned first so that filling one key cannot evict another's copy.
-            for index, key in enumerate(keys):
-                assert host.state(key) is not EntryState.LOADING, f"{key}: host fill, no VRAM load"
-                host_slot = host.lookup(key)
+        sources: list[tuple[Source, int | None, bool]] = []
+        for key in keys:
+            use = _HostUse.NONE
+            source: tuple[Source, int | None, bool] = (Source.PACK, None, False)
+            if host is not None:
+                host_slot = host.lookup(key, pin=True)  # counts the host hit or miss
                 if host_slot is not None:
-                    host.pin(key)
-                    sources[index], uses[index] = (Source.HOST, host_slot), _HostUse.COPY
-            for index, key in enumerate(keys):
-                if uses[index] is not _HostUse.NONE:
-                    continue
-                reservation = host.try_reserve(
-                    key, evict_below=self.prefetch_threshold if speculative else None)
-                if reservation is not None:
-                    self._note_eviction(evictions, host, reservation.evicted, reservation.slot)
-                    sources[index] = (Source.PACK_VIA_HOST, reservation.slot)
-                    uses[index] = _HostUse.FILL
-        for key, use in zip(keys, uses, strict=True):
+                    source, use = (Source.HOST, host_slot, False), _HostUse.COPY
+                else:
+                    host_slot = host.join_loading(key, pin=True)  # LOADING in the host: a demotion
+                    if host_slot is not None:
+                        assert key in self._demoting, f"{key}: LOADING in the host tier but not demoting"
+                        source, use = (Source.HOST, host_slot, True), _HostUse.COPY
+            sources.append(source)
             self._pending[key] = _PendingLoad(use, speculative)
         if speculative:
             self._prefetch_in_flight += len(keys)
         return sources
+
+    def _evict_vram(self, evictions: list[Eviction], demotions: list[Demotion], reservation) -> None:
+        """Record a VRAM reservation's victim, and demote it to the host tier when one is there
+        and a host slot is free or held by an unpinned entry (that entry is simply dropped)."""
+        victim = reservation.evicted
+        if victim is None:
+            return
+        evictions.append(Eviction(self.vram.tier, victim, reservation.slot))
+        host = self.host
+        if host is None:
+            return
+        if victim in host:  # its duplicate from an earlier copy-up: the only copy again
+            assert host.state(victim) is EntryState.READY, f"{victim} LOADING in the host while READY in VRAM"
+            host.refresh(victim)
+            return
+        host_reservation = host.try_reserve(victim)
+        if host_reservation is None:
+            return  # every host slot is pinned or loading: the victim is dropped (it is on disk)
+        if host_reservation.evicted is not None:
+            evictions.append(Eviction(host.tier, host_reservation.evicted, host_reservation.slot))
+        self._demoting.add(victim)
+        self.demotions += 1
+        demotions.append(Demotion(victim, reservation.slot, host_reservation.slot))
 
     def _promote(self, key: ExpertKey) -> bool:
         """A demand joined `key`'s load: if it was a prefetch, it now has demand priority."""
@@ -281,15 +325,8 @@ class AcquirePlanner:
             return
         host = self.host
         assert host is not None, f"{key}: host use {use} without a host tier"
-        if use is _HostUse.COPY:
-            host.unpin(key)  # the host copy stays valid whether or not the H2D copy worked
-        elif loaded:
-            host.complete(key)
-        else:
-            host.abort(key)  # the read into the host slot may be what failed
-
-    @staticmethod
-    def _note_eviction(evictions: list[Eviction], cache: SlotCache, evicted: ExpertKey | None,
-                       slot: int) -> None:
-        if evicted is not None:
-            evictions.append(Eviction(cache.tier, evicted, slot))
+        if key not in host:
+            return  # the demotion this copy waited for failed and freed the host slot
+        host.unpin(key)
+        if loaded:
+            host.make_coldest(key)  # a duplicate now: the first host slot the next demotion takes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from storaged.policy.decay import DecayClock
+from storaged.policy.decay import NEVER_ACCESSED, DecayClock
 from storaged.policy.entries import (CacheEntry, EntryState, EntryView, Reservation,
                                      ResidentStats, TierCounters)
 from storaged.policy.errors import CapacityExhausted, PolicyStateError
@@ -222,6 +222,19 @@ class SlotCache:
         self._free_slots.append(entry.slot)
         self.counters.aborts += 1
         return entry.pin_count
+
+    def make_coldest(self, key: ExpertKey) -> None:
+        """Forget the entry's accesses: the next eviction picks it first (a copy another tier
+        now holds too, so dropping it costs nothing)."""
+        entry = self._entry(key, "make_coldest")
+        entry.log_score = NEVER_ACCESSED
+        if entry.heap_token is not None:  # evictable: reposition it
+            self._evictable.discard(entry)
+            self._evictable.push(entry)
+
+    def refresh(self, key: ExpertKey) -> None:
+        """Count an access of `key` for replacement without counting a hit (it came from another tier)."""
+        self._record_access(self._entry(key, "refresh"))
 
     def pin(self, key: ExpertKey) -> int:
         """Keep `key` resident (LOADING or READY) until a matching unpin. Returns its slot."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from packtools.pack.index import ObjectEntry
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.policy import SlotMapLayout
 from storaged.server.models import LayerObjects, ServedModel
 
 API_VERSION = 1
@@ -84,10 +85,15 @@ def model_layout(model: ServedModel) -> pb.ModelLayout:
                           layers=[_layer_layout(layer, model.expert_count) for layer in model.layers])
 
 
+def slot_map(layout: SlotMapLayout, model: ServedModel) -> pb.SlotMap:
+    return pb.SlotMap(offset_bytes=4 * layout.model_base(model.model_id), experts_per_row=model.expert_count,
+                      layers=layout.layers(model.model_id))
+
+
 def arena_descriptor(descriptor: ArenaDescriptor) -> pb.ArenaDescriptor:
     if descriptor.kind == KIND_SHM:
         return pb.ArenaDescriptor(shm=pb.SharedMemoryArena(path=descriptor.shm_path, offset=0),
-                                  size_bytes=descriptor.arena_bytes)
+                                  size_bytes=descriptor.arena_bytes, slot_map_entries=descriptor.map_entries)
     assert descriptor.kind == KIND_CUDA_IPC, descriptor.kind
     d = descriptor
     return pb.ArenaDescriptor(
@@ -96,4 +102,4 @@ def arena_descriptor(descriptor: ArenaDescriptor) -> pb.ArenaDescriptor:
             storage_offset_bytes=d.storage_offset_bytes, ref_counter_handle=d.ref_counter_handle,
             ref_counter_offset=d.ref_counter_offset, event_handle=d.export_event_handle,
             event_sync_required=d.export_event_sync_required),
-        size_bytes=d.arena_bytes, event_handles=d.event_handles)
+        size_bytes=d.arena_bytes, event_handles=d.event_handles, slot_map_entries=d.map_entries)

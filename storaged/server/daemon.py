@@ -1,8 +1,9 @@
 """The daemon's life: start-up in a fixed order, serve, and a draining shutdown on SIGTERM/SIGINT.
 
 Start-up (storaged.cli validated the config and opened the bundles already): socket path
-checked → arena, staging, host tier, reader → gRPC on the Unix socket (directly, or behind the
-peer-credential gate when allowed_uids/allowed_gids are set) → health SERVING → READY=1 to
+checked → arena, staging, host tier, reader → the data plane on `<socket>.data` → gRPC on the
+Unix socket (directly, or behind the peer-credential gate when allowed_uids/allowed_gids are
+set) → health SERVING → READY=1 to
 systemd, then WATCHDOG=1 pings when the unit sets WatchdogSec. Until the socket listens, clients
 get UNAVAILABLE from their channel; while stopping, from the servicer. Shutdown: STOPPING=1,
 health NOT_SERVING, refuse new work, end idle Acquire streams, let in-flight RPCs finish within
@@ -32,11 +33,13 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.config import StoragedConfig
 from storaged.server.models import ServedModel
 from storaged.server.notify import Notifier, NotifyEnvironmentError
+from storaged.server.dataplane import DataPlaneServer
 from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
 from storaged.server.runtime import Runtime, StartupError, build_runtime
 from storaged.server.servicer import ExpertStorageServicer
 from storaged.server.sessions import SessionRegistry
 from storaged.server.stats import SYNC_INTERVAL_SECONDS, MetricsSync
+from storaged.wire import dataplane as wire
 
 EXIT_OK = 0
 EXIT_STARTUP = 1
@@ -121,6 +124,8 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
     sessions = SessionRegistry()
     sync = MetricsSync(runtime.engine, sessions)
     servicer = ExpertStorageServicer(config, models, runtime, sessions, sync)
+    data_plane = DataPlaneServer(Path(wire.socket_path_for(str(config.socket))), runtime.engine, sessions,
+                                 runtime.fences, AccessPolicy.from_config(config))
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     server = grpc.aio.server()
@@ -131,7 +136,14 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
         server)
     gate = _listen(server, config)
     background: list[asyncio.Task] = []
+    data_plane_started = False
     try:
+        prepare_socket_path(data_plane.path)
+        try:
+            await data_plane.start()
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {data_plane.path}: {exc.strerror or exc}") from None
+        data_plane_started = True
         await server.start()
         if gate is None:
             os.chmod(config.socket, SOCKET_MODE)
@@ -153,6 +165,7 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
             gate.stop_accepting()
         await health.enter_graceful_shutdown()
         servicer.begin_shutdown()
+        data_plane.begin_shutdown()
         await server.stop(config.shutdown_grace_seconds)
         await runtime.engine.drain(config.shutdown_grace_seconds)
     finally:
@@ -160,6 +173,8 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
             task.cancel()
         if gate is not None:
             await gate.close()
+        if data_plane_started:
+            await data_plane.close()
         _remove_socket(config.socket)
     return EXIT_OK
 

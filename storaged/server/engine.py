@@ -6,7 +6,14 @@ two futures: `issued` (the copy into the slot was issued; its result is the read
 or None when the copy was already complete) and `done` (the slot is published in the policy).
 The requester that started a load replies at `issued` with the event index; requests that
 joined the load (Source.WAIT) reply at `done`, when the slot is complete. Nothing is
-published (planner.complete) before its copy has completed, so a later hit needs no event.
+published (planner.complete, and the slot map entry) before its copy has completed, so a later
+hit, through Acquire or through the map on the device, needs no event.
+
+A slot taken from a victim is written only after (1) the victim's slot map entry was cleared
+and (2) every session that was mid-step when it was cleared finished that step (fences.py):
+a client reading the map on the device never sees a slot change under a step. A victim with a
+place in the host tier is first copied down (a demotion) on the same in-order copy stream as the
+overwrite, so the overwrite needs no wait of its own.
 
 Runs on the event loop thread only, like the planner it drives.
 """
@@ -24,7 +31,9 @@ from storaged.device.host_tier import HostTier
 from storaged.io.executor import ReadExecutor, ReadPriority
 from storaged.io.staging import StagingPool
 from storaged.metrics import StoragedMetrics
-from storaged.policy import AcquirePlanner, CapacityExhausted, ExpertKey, ExpertStep, Source
+from storaged.policy import (AcquirePlanner, CapacityExhausted, Demotion, Eviction, ExpertKey, ExpertStep,
+                             SlotMapLayout, Source)
+from storaged.server.fences import FenceTable, Snapshot
 from storaged.server.models import ServedModel
 from storaged.server.sessions import Session
 
@@ -72,7 +81,8 @@ class StorageEngine:
 
     def __init__(self, planner: AcquirePlanner, arena: Arena,
                  staging: StagingPool, executor: ReadExecutor, metrics: StoragedMetrics, *,
-                 host_tier: HostTier | None = None, max_ids: int):
+                 host_tier: HostTier | None = None, max_ids: int, slot_map: SlotMapLayout,
+                 fences: FenceTable, sizes: dict[int, ServedModel]):
         self.planner = planner
         self.arena = arena
         self.staging = staging
@@ -80,7 +90,11 @@ class StorageEngine:
         self.metrics = metrics
         self.host_tier = host_tier
         self.max_ids = max_ids
+        self.slot_map = slot_map
+        self.fences = fences
+        self._models = sizes  # model id → ServedModel, for object sizes of demotions
         self._loads: dict[ExpertKey, _Load] = {}
+        self._demotions: dict[ExpertKey, asyncio.Future] = {}  # → None once the host copy is complete
         self._tasks: set[asyncio.Task] = set()
         self.capacity_exhausted = 0  # Acquires refused with CapacityExhausted
 
@@ -108,6 +122,7 @@ class StorageEngine:
         events = [NO_EVENT] * len(plan.steps)
         own_loads: list[tuple[int, asyncio.Future]] = []  # → event index of the copy, or None
         joined: list[asyncio.Future] = []  # → slot, once another request's load is published
+        reused = self._retire(plan.evictions, plan.demotions)
         for index, step in enumerate(plan.steps):
             if step.source is Source.WAIT:
                 load = self._loads[step.key]
@@ -115,7 +130,8 @@ class StorageEngine:
                     self._promote(load)
                 joined.append(load.done)
             elif step.source.needs_io:
-                own_loads.append((index, self._start_load(step, model, ReadPriority.DEMAND).issued))
+                load = self._start_load(step, model, ReadPriority.DEMAND, reused.get(step.slot))
+                own_loads.append((index, load.issued))
         # Shielded: a request cancelled while waiting (its client left) must not cancel the
         # load's futures, which other requests and the load task itself still use.
         for index, issued in own_loads:
@@ -134,25 +150,83 @@ class StorageEngine:
             raise TooManyIds(f"session {session.id} layer {layer}: {len(experts)} experts hinted, "
                              f"at most {self.max_ids} per call")
         plan = self.planner.prefetch(session.model.model_id, layer, experts)
+        reused = self._retire(plan.evictions, plan.demotions)
         for step in plan.loads:
-            self._start_load(step, session.model, ReadPriority.PREFETCH)
+            self._start_load(step, session.model, ReadPriority.PREFETCH, reused.get(step.slot))
         return len(plan.loads)
 
     def release(self, session: Session, layer: int | None) -> int:
+        """Unpin the session's slots on `layer` (InvalidLayer unless a MoE layer), or all of them."""
+        if layer is not None:
+            self.planner.validate_layer(session.model.model_id, layer)
         return self.planner.release(session.id, layer, model=session.model.model_id)
 
     def close_session(self, session: Session) -> int:
         return self.planner.close_session(session.id)
 
+    # ---- victims -----------------------------------------------------------------------------
+
+    def _retire(self, evictions: tuple[Eviction, ...], demotions: tuple[Demotion, ...]) -> dict[int, Snapshot]:
+        """Unmap a plan's VRAM victims, start their demotions; → {reused VRAM slot: the fence
+        snapshot its overwrite must wait for}."""
+        victims = [e for e in evictions if e.tier == self.planner.vram.tier]
+        if not victims:
+            return {}
+        self.arena.unpublish([self.slot_map.index(e.key) for e in victims])  # visible on return
+        snapshot = self.fences.snapshot()  # sessions that may have read the old entries
+        for demotion in demotions:
+            self._start_demotion(demotion)
+        return {e.slot: snapshot for e in victims}
+
+    def _start_demotion(self, demotion: Demotion) -> None:
+        assert self.host_tier is not None
+        key = demotion.key
+        nbytes = self._models[key.model].pack.entry(key.layer, key.expert).size
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        future.add_done_callback(_consume_exception)
+        self._demotions[key] = future
+        try:
+            # Queued now, before any copy into the VRAM slot: the copy stream runs them in order.
+            handle = self.arena.copy_out(demotion.vram_slot, self.host_tier.slot(demotion.host_slot), nbytes)
+        except Exception as exc:  # noqa: BLE001 - a failed demotion only loses a cached copy
+            self._end_demotion(key, future, exc)
+            return
+        self.metrics.record_demotion(nbytes)
+
+        async def finish() -> None:
+            try:
+                await handle.wait()
+            except Exception as exc:  # noqa: BLE001
+                self._end_demotion(key, future, exc)
+            else:
+                self._end_demotion(key, future, None)
+
+        task = loop.create_task(finish(), name=f"demotion {key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _end_demotion(self, key: ExpertKey, future: asyncio.Future, error: Exception | None) -> None:
+        if self._demotions.get(key) is future:
+            del self._demotions[key]
+        if error is None:
+            self.planner.demoted(key)
+            future.set_result(None)
+        else:
+            self.planner.demotion_failed(key)
+            future.set_exception(ObjectReadFailed(f"demotion of {key} to the host tier failed: {error}"))
+
     # ---- loads -------------------------------------------------------------------------------
 
-    def _start_load(self, step: ExpertStep, model: ServedModel, priority: ReadPriority) -> _Load:
+    def _start_load(self, step: ExpertStep, model: ServedModel, priority: ReadPriority,
+                    snapshot: Snapshot | None = None) -> _Load:
         loop = asyncio.get_running_loop()
         load = _Load(step.key, priority, loop.create_future(), loop.create_future())
         for future in (load.issued, load.done):
             future.add_done_callback(_consume_exception)
         self._loads[step.key] = load
-        task = loop.create_task(self._run_load(load, step, model), name=f"load {step.key}")
+        demotion = self._demotions[step.key] if step.after_demotion else None  # taken now: it may end first
+        task = loop.create_task(self._run_load(load, step, model, snapshot, demotion), name=f"load {step.key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return load
@@ -183,7 +257,8 @@ class StorageEngine:
             finally:
                 load.read = None
 
-    async def _run_load(self, load: _Load, step: ExpertStep, model: ServedModel) -> None:
+    async def _run_load(self, load: _Load, step: ExpertStep, model: ServedModel, snapshot: Snapshot | None,
+                        demotion: asyncio.Future | None) -> None:
         key = step.key
         nbytes = model.pack.entry(key.layer, key.expert).size
         borrowed = None
@@ -193,13 +268,16 @@ class StorageEngine:
                 await self._read(load, model, source)
             else:
                 assert self.host_tier is not None and step.host_slot is not None, step
+                if demotion is not None:  # its bytes are still on their way down
+                    await asyncio.shield(demotion)
                 source = self.host_tier.slot(step.host_slot)
-                if step.source is Source.PACK_VIA_HOST:
-                    await self._read(load, model, source)
+            if snapshot:
+                await self.fences.wait_quiesced(snapshot)  # no step may still read the victim
             handle = self.arena.copy_in(step.slot, source, nbytes)
             self.metrics.record_h2d(nbytes)
             load.issued.set_result(handle.event_index)
             await handle.wait()
+            self.arena.publish(self.slot_map.index(key), step.slot)
         except ObjectChecksumError as exc:
             self._fail(load, ObjectDataLoss(str(exc)))
         except asyncio.CancelledError:

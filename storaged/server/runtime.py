@@ -13,8 +13,9 @@ from storaged.device import Arena, ArenaError, HostTier, create_arena
 from storaged.io import (DirectIOUnsupported, DirectPackFile, HostPinError, ReadExecutor, StagingPool,
                          StorageIOError)
 from storaged.metrics import MetricsServer, StoragedMetrics
-from storaged.policy import AcquirePlanner, SlotCache
+from storaged.policy import AcquirePlanner, SlotCache, SlotMapLayout
 from storaged.server.engine import StorageEngine
+from storaged.server.fences import FenceTable
 from storaged.server.models import ServedModel
 
 CUDA_COPY_EVENTS = 256  # interprocess events cycled over copies into the arena
@@ -53,6 +54,8 @@ class Runtime:
     metrics: StoragedMetrics
     planner: AcquirePlanner
     engine: StorageEngine
+    slot_map: SlotMapLayout
+    fences: FenceTable
     metrics_server: MetricsServer | None = None
 
     def close(self) -> None:
@@ -60,6 +63,7 @@ class Runtime:
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.executor.close()
+        self.fences.close()
         self.arena.synchronize()
         self.staging.close()
         if self.host_tier is not None:
@@ -80,6 +84,8 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
     """Allocate arena, staging, host tier and reader; raise StartupError on any failure."""
     geometry = slot_geometry(config, models)
     cuda = config.cuda_device_index is not None
+    layouts = {m.model_id: m.policy_layout(config.max_ids_per_acquire) for m in models.values()}
+    slot_map = SlotMapLayout(layouts)
     with contextlib.ExitStack() as undo:
         metrics = StoragedMetrics()
         try:
@@ -89,8 +95,8 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
                 executor.add_pack(model.name, DirectPackFile(
                     model.pack.path, direct_io=config.direct_io, verify=config.verify_checksums))
             arena = create_arena("cuda" if cuda else "cpu", geometry.slot_count, geometry.slot_bytes,
-                                 device=config.cuda_device_index or 0, event_count=CUDA_COPY_EVENTS,
-                                 shm_mode=SHM_ARENA_MODE)
+                                 map_entries=slot_map.entries, device=config.cuda_device_index or 0,
+                                 event_count=CUDA_COPY_EVENTS, shm_mode=SHM_ARENA_MODE)
             undo.callback(arena.close)
             staging = StagingPool(config.staging_buffers, geometry.slot_bytes, pin=cuda)
             undo.callback(staging.close)
@@ -105,10 +111,12 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
         planner = AcquirePlanner(
             SlotCache(geometry.slot_count, slot_bytes=geometry.slot_bytes, tier="vram"),
             SlotCache(geometry.host_slots, slot_bytes=geometry.slot_bytes, tier="host")
-            if geometry.host_slots else None,
-            {m.model_id: m.policy_layout(config.max_ids_per_acquire) for m in models.values()})
+            if geometry.host_slots else None, layouts)
+        fences = FenceTable(timeout=config.fence_timeout_seconds)
         engine = StorageEngine(planner, arena, staging, executor, metrics, host_tier=host_tier,
-                               max_ids=config.max_ids_per_acquire)
+                               max_ids=config.max_ids_per_acquire, slot_map=slot_map, fences=fences,
+                               sizes={m.model_id: m for m in models.values()})
         metrics_server = _start_metrics(metrics, config.metrics_address) if config.metrics_enabled else None
         undo.pop_all()
-    return Runtime(geometry, arena, staging, host_tier, executor, metrics, planner, engine, metrics_server)
+    return Runtime(geometry, arena, staging, host_tier, executor, metrics, planner, engine, slot_map, fences,
+                   metrics_server)

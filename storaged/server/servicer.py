@@ -16,15 +16,17 @@ import grpc
 from storaged import __version__
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
-from storaged.client.client import SESSION_METADATA_KEY
 from storaged.config import StoragedConfig
-from storaged.policy import CapacityExhausted, InvalidRequest
 from storaged.server import convert
-from storaged.server.engine import (EmptyRequest, LoadError, ObjectDataLoss, StorageEngine, TooManyIds)
+from storaged.server.engine import LoadError, ObjectDataLoss, StorageEngine
 from storaged.server.models import ServedModel
 from storaged.server.runtime import Runtime
 from storaged.server.sessions import Session, SessionBusy, SessionNotFound, SessionRegistry
 from storaged.server.stats import MetricsSync, stats_response
+from storaged.server.status import REQUEST_ERRORS
+from storaged.server.status import status_of as request_status_of
+from storaged.wire import dataplane as wire
+from storaged.wire.session import SESSION_METADATA_KEY
 
 STOPPING = "storaged is stopping"
 
@@ -39,31 +41,21 @@ class StreamSessionMismatch(ValueError):
 
 def status_of(error: Exception) -> grpc.StatusCode | None:
     """The status code a request error maps to; None for errors that are bugs (INTERNAL)."""
-    if isinstance(error, SessionNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, (InvalidRequest, EmptyRequest, TooManyIds, StreamSessionMismatch)):
+    if isinstance(error, StreamSessionMismatch):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, CapacityExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, ObjectDataLoss):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(error, SessionBusy):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(error, LoadError):
-        return grpc.StatusCode.INTERNAL
-    return None
+    return request_status_of(error)
 
 
-_REQUEST_ERRORS = (SessionNotFound, InvalidRequest, EmptyRequest, TooManyIds, CapacityExhausted,
-                   LoadError, SessionBusy, StreamSessionMismatch)
+_REQUEST_ERRORS = (*REQUEST_ERRORS, StreamSessionMismatch)
 
 
 def info_response(config: StoragedConfig, models: Mapping[str, ServedModel],
                   runtime: Runtime) -> pb.InfoResponse:
     cuda = config.cuda_device_index is not None
-    capabilities = [pb.CAPABILITY_CUDA_IPC_ARENA if cuda else pb.CAPABILITY_SHM_ARENA, pb.CAPABILITY_PREFETCH]
+    capabilities = [pb.CAPABILITY_CUDA_IPC_ARENA if cuda else pb.CAPABILITY_SHM_ARENA, pb.CAPABILITY_PREFETCH,
+                    pb.CAPABILITY_DATA_PLANE, pb.CAPABILITY_SLOT_MAP]
     if runtime.host_tier is not None:
-        capabilities.append(pb.CAPABILITY_HOST_CACHE)
+        capabilities += [pb.CAPABILITY_HOST_CACHE, pb.CAPABILITY_TIERED_DEMOTION]
     if config.verify_checksums:
         capabilities.append(pb.CAPABILITY_CHECKSUM_VERIFY)
     if config.direct_io:
@@ -87,6 +79,8 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         self.stopping = False
         self._info = info_response(config, models, runtime)
         self._layouts = {name: convert.model_layout(model) for name, model in models.items()}
+        self._slot_maps = {name: convert.slot_map(runtime.slot_map, model) for name, model in models.items()}
+        self._data_plane = pb.DataPlane(socket_path=wire.socket_path_for(str(config.socket)), version=wire.VERSION)
         self._idle_streams: set[asyncio.Task] = set()  # Acquire handlers waiting for a request
 
     def begin_shutdown(self) -> None:
@@ -121,7 +115,8 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         geometry = self.runtime.geometry
         return pb.AttachResponse(session_id=session.id, arena=convert.arena_descriptor(descriptor),
                                  slot_bytes=geometry.slot_bytes, slot_count=geometry.slot_count,
-                                 layout=self._layouts[model.name])
+                                 layout=self._layouts[model.name], slot_map=self._slot_maps[model.name],
+                                 data_plane=self._data_plane)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         command = convert.release_command(request)

@@ -33,6 +33,7 @@ class MetricsSync:
         self.engine = engine
         self.sessions = sessions
         self._last = {name: 0 for name in (*_COUNTERS, *_PREFETCH)}
+        self._fences = (0, 0.0, 0)  # waits, wait seconds, revocations already recorded
 
     @property
     def metrics(self) -> StoragedMetrics:
@@ -49,6 +50,15 @@ class MetricsSync:
         if any(prefetch.values()):
             self.metrics.record_prefetch(**prefetch)
         self._last = {name: now[name] for name in self._last}
+        fences = self.engine.fences
+        waits, seconds, revocations = fences.waits, fences.wait_seconds, fences.revocations
+        last_waits, last_seconds, last_revocations = self._fences
+        if waits > last_waits:
+            self.metrics.fence_waits.inc(waits - last_waits)
+            self.metrics.fence_wait_seconds.inc(seconds - last_seconds)
+        if revocations > last_revocations:
+            self.metrics.fence_revocations.inc(revocations - last_revocations)
+        self._fences = (waits, seconds, revocations)
         self.metrics.set_resident("vram", stats.vram_resident_entries, stats.vram_resident_bytes)
         self.metrics.set_resident("host", stats.host_resident_entries, stats.host_resident_bytes)
         self.metrics.set_sessions(len(self.sessions))
@@ -87,4 +97,6 @@ def stats_response(sync: MetricsSync) -> pb.StatsResponse:
         capacity_exhausted=sync.engine.capacity_exhausted,
         acquire_latency_mean_us=_mean_us(figures, "acquire_seconds"),
         read_latency_mean_us=_mean_us(figures, "read_seconds"),
-        loads_in_flight=sync.engine.loads_in_flight, reads=counter("read_seconds_count"))
+        loads_in_flight=sync.engine.loads_in_flight, reads=counter("read_seconds_count"),
+        demotions=counter("demotions_total"), d2h_bytes=counter("d2h_bytes_total"),
+        fence_waits=counter("fence_waits_total"), fence_revocations=counter("fence_revocations_total"))

@@ -177,44 +177,101 @@ def test_complete_or_abort_without_a_load_in_flight_is_a_protocol_error(operatio
         getattr(p, operation)(key(2))
 
 
-def test_pack_reads_land_in_the_host_tier_and_later_misses_copy_from_it():
+def test_vram_victims_are_demoted_and_a_later_miss_copies_them_back_up():
     p = planner(vram_slots=1, host_slots=4)
-    first = p.acquire("a", MODEL, 0, [1]).steps[0]
-    assert first.source is Source.PACK_VIA_HOST
-    assert p.host.state(key(1)) is EntryState.LOADING
+    first = p.acquire("a", MODEL, 0, [1])
+    assert first.steps[0].source is Source.PACK and first.demotions == ()  # misses read the pack
     p.complete(key(1))
-    assert p.host.state(key(1)) is EntryState.READY
-    acquire_loaded(p, "a", 0, [2])  # evicts 1 from VRAM; the host copy stays
+    second = p.acquire("a", MODEL, 0, [2])  # evicts 1 from VRAM: its bytes go down to the host
+    (demotion,) = second.demotions
+    assert (demotion.key, demotion.vram_slot) == (key(1), first.steps[0].slot)
+    assert p.host.state(key(1)) is EntryState.LOADING
+    assert p.demoted(key(1)) == demotion.host_slot
+    p.complete(key(2))
     again = p.acquire("a", MODEL, 0, [1])
     step = again.steps[0]
-    assert (step.source, step.host_slot) == (Source.HOST, first.host_slot)
-    assert [e.key for e in again.evictions] == [key(2)]
-    assert p.host.pin_count(key(1)) == 1  # pinned while the copy runs
+    assert (step.source, step.host_slot, step.after_demotion) == (Source.HOST, demotion.host_slot, False)
+    assert [d.key for d in again.demotions] == [key(2)]
+    assert p.host.pin_count(key(1)) == 1  # pinned while the copy up runs
+    p.complete(key(1))
+    p.demoted(key(2))
+    # 1's host copy stays as the coldest duplicate; 2 took another host slot
+    assert p.host.state(key(1)) is EntryState.READY and p.host.state(key(2)) is EntryState.READY
+    assert p.host.decayed_score(key(1)) == 0.0
+    back = acquire_loaded(p, "a", 0, [2])  # 1 leaves VRAM again: its host copy is already there
+    assert back.steps[0].source is Source.HOST and back.demotions == ()
+    stats = p.stats()
+    assert (stats.host_hits, stats.demotions, stats.host_copies_in_flight) == (2, 2, 0)
+
+
+def _run(p: AcquirePlanner, experts, rounds: int) -> list[Source]:
+    """Acquire each expert in turn, `rounds` times, finishing every load and demotion."""
+    sources = []
+    for _ in range(rounds):
+        for expert in experts:
+            plan = p.acquire("a", MODEL, 0, [expert])
+            sources.append(plan.steps[0].source)
+            for step in plan.loads:
+                p.complete(step.key)
+            for demotion in plan.demotions:
+                p.demoted(demotion.key)
+    return sources
+
+
+@pytest.mark.parametrize("vram_slots, host_slots", [(2, 3), (3, 2), (1, 4)])
+def test_tiers_add_up_to_the_sum_of_their_budgets(vram_slots, host_slots):
+    """A working set of vram + host - 1 objects (one host slot is the swap space of the copy-up
+    in flight) is read from the pack once, then served from the two tiers forever."""
+    p = planner(vram_slots=vram_slots, host_slots=host_slots)
+    working_set = range(vram_slots + host_slots - 1)
+    first = _run(p, working_set, 1)
+    assert first == [Source.PACK] * len(working_set)
+    later = _run(p, working_set, 20)
+    assert Source.PACK not in later, later
+    assert {k for k, _ in p.vram.views()} | {k for k, _ in p.host.views()} == {key(e) for e in working_set}
+
+
+def test_a_miss_on_an_object_still_being_demoted_waits_for_the_demotion():
+    p = planner(vram_slots=1, host_slots=2)
+    acquire_loaded(p, "a", 0, [1])
+    acquire_loaded(p, "a", 0, [2])  # 1 is being demoted; demoted() not called yet
+    step = p.acquire("a", MODEL, 0, [1]).steps[0]
+    assert (step.source, step.after_demotion) == (Source.HOST, True)
+    p.demoted(key(1))
     p.complete(key(1))
     assert p.host.pin_count(key(1)) == 0
-    stats = p.stats()
-    assert (stats.host_hits, stats.host_misses, stats.host_copies_in_flight) == (1, 2, 0)
 
 
-def test_failed_host_fill_is_dropped_but_a_failed_copy_keeps_the_host_entry():
+def test_a_failed_copy_up_keeps_the_host_entry_and_a_failed_demotion_frees_its_slot():
     p = planner(vram_slots=1, host_slots=2)
-    p.acquire("a", MODEL, 0, [1])
-    p.abort(key(1))
-    assert key(1) not in p.host  # the read into the host slot may have been what failed
     acquire_loaded(p, "a", 0, [1])
-    acquire_loaded(p, "a", 0, [2])
-    assert p.acquire("a", MODEL, 0, [1]).steps[0].source is Source.HOST
+    p.demoted(acquire_loaded(p, "a", 0, [2]).demotions[0].key)  # host {1}, VRAM {2}
+    plan = p.acquire("a", MODEL, 0, [1])  # copy 1 up; VRAM victim 2 goes down to the free host slot
+    assert plan.steps[0].source is Source.HOST and [d.key for d in plan.demotions] == [key(2)]
     p.abort(key(1))
     assert p.host.state(key(1)) is EntryState.READY and p.host.pin_count(key(1)) == 0
+    p.demotion_failed(key(2))
+    assert key(2) not in p.host and p.host.free_slot_count == 1
 
 
-@pytest.mark.parametrize("host_slots", [0, 1])
-def test_without_a_usable_host_slot_reads_go_straight_to_vram(host_slots):
-    p = planner(vram_slots=4, host_slots=host_slots)
-    plan = p.acquire("a", MODEL, 0, [1, 2])
-    expected = [Source.PACK, Source.PACK] if host_slots == 0 else [Source.PACK_VIA_HOST,
-                                                                   Source.PACK]
-    assert [step.source for step in plan.steps] == expected  # the one host slot is LOADING
+@pytest.mark.parametrize("operation", ["demoted", "demotion_failed"])
+def test_demotion_callbacks_without_a_demotion_are_a_protocol_error(operation):
+    p = planner(vram_slots=1, host_slots=1)
+    acquire_loaded(p, "a", 0, [1])
+    with pytest.raises(PolicyStateError, match=r"expert 1\): " + operation):
+        getattr(p, operation)(key(1))
+
+
+def test_a_victim_is_dropped_without_a_host_tier_or_when_every_host_slot_is_pinned():
+    no_host = planner(vram_slots=1, host_slots=0)
+    acquire_loaded(no_host, "a", 0, [1])
+    assert acquire_loaded(no_host, "a", 0, [2]).demotions == ()
+    p = planner(vram_slots=1, host_slots=1)
+    acquire_loaded(p, "a", 0, [1])
+    p.demoted(acquire_loaded(p, "a", 0, [2]).demotions[0].key)  # host {1}, VRAM {2}
+    plan = p.acquire("a", MODEL, 0, [1])  # the host slot is pinned by 1's copy up
+    assert plan.steps[0].source is Source.HOST
+    assert plan.demotions == () and [e.key for e in plan.evictions] == [key(2)]  # 2 is dropped
 
 
 def test_prefetch_uses_free_slots_and_skips_resident_keys():
@@ -275,5 +332,5 @@ def test_stats_report_resident_entries_and_bytes_per_tier():
     stats = p.stats()
     assert (stats.vram_resident_entries, stats.vram_loading_entries) == (2, 1)
     assert stats.vram_resident_bytes == 2 << 20
-    assert (stats.host_resident_entries, stats.host_resident_bytes) == (2, 2 << 20)
+    assert (stats.host_resident_entries, stats.host_resident_bytes) == (0, 0)  # misses never fill it
     assert (stats.pins_outstanding, stats.sessions) == (3, 1)

@@ -35,6 +35,7 @@ class PlannerMachine(RuleBasedStateMachine):
                                       max_prefetch_in_flight=2)
         self.slot_of: dict[ExpertKey, int] = {}  # VRAM residency as announced by plans
         self.loading: set[ExpertKey] = set()
+        self.demoting: set[ExpertKey] = set()  # VRAM victims on their way to the host tier
         self.pinned: dict[str, dict[int, set[ExpertKey]]] = {s: {} for s in SESSIONS}
 
     # ---- shadow helpers --------------------------------------------------------------------
@@ -56,8 +57,17 @@ class PlannerMachine(RuleBasedStateMachine):
             assert self.pin_count(victim) == 0, f"pinned {victim} evicted"
             assert self.slot_of.pop(victim) == eviction.slot
 
+    def apply_demotions(self, demotions) -> None:
+        for demotion in demotions:
+            assert demotion.key not in self.slot_of, f"{demotion.key} demoted while still in VRAM"
+            assert demotion.key not in self.demoting, f"{demotion.key} demoted twice"
+            self.demoting.add(demotion.key)
+
     def start_load(self, step) -> None:
         assert step.key not in self.slot_of, f"{step.key} loaded twice (single flight broken)"
+        if step.source is Source.HOST:
+            assert self.planner.host.pin_count(step.key) == 1, f"{step.key} copied up from an unpinned slot"
+            assert step.after_demotion == (step.key in self.demoting)
         assert step.slot not in self.slot_of.values(), f"slot {step.slot} given to two keys"
         self.slot_of[step.key] = step.slot
         self.loading.add(step.key)
@@ -86,6 +96,7 @@ class PlannerMachine(RuleBasedStateMachine):
             self.pinned[session] = {}
         self.pinned[session][layer] = set()  # the previous pins are released first
         self.apply_evictions(plan.evictions)
+        self.apply_demotions(plan.demotions)
         for step in plan.steps:
             if step.source in (Source.READY, Source.WAIT):
                 assert self.slot_of[step.key] == step.slot, "hit on a slot of another key"
@@ -97,6 +108,7 @@ class PlannerMachine(RuleBasedStateMachine):
     def prefetch(self, layer, experts):
         plan = self.planner.prefetch(MODEL, layer, experts)
         self.apply_evictions(plan.evictions)
+        self.apply_demotions(plan.demotions)
         for step in plan.loads:
             assert step.source.needs_io
             self.start_load(step)
@@ -106,6 +118,8 @@ class PlannerMachine(RuleBasedStateMachine):
     def finish_load(self, data, succeed):
         key = data.draw(st.sampled_from(sorted(self.loading)))
         self.loading.discard(key)
+        if key in self.demoting:
+            succeed = False  # a copy up waits for its demotion: only a failure (or shutdown) ends it first
         if succeed:
             assert self.planner.complete(key) == self.slot_of[key]
             return
@@ -114,6 +128,17 @@ class PlannerMachine(RuleBasedStateMachine):
         for session in holders:
             self.pinned[session][key.layer].discard(key)
         del self.slot_of[key]
+
+    @precondition(lambda self: self.demoting)
+    @rule(data=st.data(), succeed=st.booleans())
+    def finish_demotion(self, data, succeed):
+        key = data.draw(st.sampled_from(sorted(self.demoting)))
+        self.demoting.discard(key)
+        if succeed:
+            self.planner.demoted(key)
+        else:
+            self.planner.demotion_failed(key)
+            assert key not in self.planner.host
 
     @rule(session=st.sampled_from(SESSIONS), layer=st.none() | st.integers(0, LAYERS - 1))
     def release(self, session, layer):
@@ -154,9 +179,12 @@ class PlannerMachine(RuleBasedStateMachine):
         slots = [view.slot for _, view in host.views()]
         assert len(slots) == len(set(slots))
         for key, view in host.views():
-            if view.state is EntryState.LOADING or view.pin_count:
-                assert key in self.loading, f"host {key} busy without a VRAM load"
+            assert (view.state is EntryState.LOADING) == (key in self.demoting), f"host {key}: demotion state"
+            if view.pin_count:
+                assert key in self.loading, f"host {key} pinned without a copy up in flight"
             assert view.pin_count <= 1
+            if key in self.slot_of and key not in self.loading:  # in both tiers: a copy-up's duplicate
+                assert view.state is EntryState.READY
 
     @invariant()
     def stats_agree(self):
@@ -169,6 +197,8 @@ class PlannerMachine(RuleBasedStateMachine):
         assert stats.prefetch_used + stats.prefetch_wasted <= stats.prefetch_issued
 
     def teardown(self):
+        for key in sorted(self.demoting):
+            self.planner.demoted(key)
         for key in sorted(self.loading):
             self.planner.complete(key)
         for session in SESSIONS:

@@ -233,8 +233,16 @@ def test_prefetch_then_acquire_uses_the_prefetched_slot(client, served):
     assert after.reads - before.reads == 1
 
 
-def test_bad_prefetch_is_invalid_argument(client):
-    with client.attach("tiny") as session, pytest.raises(InvalidRequest, match="expert 9 out of range"):
+def test_bad_prefetch_is_invalid_argument_on_the_next_reply_over_the_data_plane(client):
+    with client.attach("tiny") as session:
+        session.prefetch(1, [9])  # a hint: its reply is not waited for...
+        with pytest.raises(InvalidRequest, match="Prefetch: INVALID_ARGUMENT.*expert 9 out of range"):
+            session.release(1)  # ...its error comes with the next reply that is
+
+
+def test_bad_prefetch_is_invalid_argument_over_grpc(client):
+    with client.attach("tiny", data_plane=False) as session, \
+            pytest.raises(InvalidRequest, match="expert 9 out of range"):
         session.prefetch(1, [9])
 
 

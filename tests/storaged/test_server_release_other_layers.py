@@ -56,14 +56,16 @@ def test_walking_every_layer_fits_a_one_layer_cache(client, served):
     assert (acquires - 1) * LAYER_DEMAND <= evicted <= acquires * LAYER_DEMAND
 
 
-def test_without_the_flag_the_second_layer_is_resource_exhausted(client):
-    with client.attach("tiny") as session:
+@pytest.mark.parametrize("data_plane", [True, False], ids=["data plane", "grpc stream"])
+def test_without_the_flag_the_second_layer_is_resource_exhausted(client, data_plane):
+    with client.attach("tiny", data_plane=data_plane) as session:
         first = session.acquire(TEST_LAYERS[0], [0, 1, 2, 3])
         with pytest.raises(CapacityExhausted, match=r"4 slot\(s\) needed but only 0") as info:
             session.acquire(TEST_LAYERS[1], [0, 1, 2, 3])
         assert info.value.code.name == "RESOURCE_EXHAUSTED"
-        # The failed stream dropped the session's pins; the session itself lives on.
-        assert client.stats().pins == 0
+        # An error reply on the data plane leaves the connection, and the pins, as they were; a
+        # failed gRPC stream drops the session's pins. Either way the session lives on.
+        assert client.stats().pins == (4 if data_plane else 0)
         assert session.acquire(TEST_LAYERS[0], [0, 1, 2, 3]) == first
 
 

@@ -16,6 +16,9 @@ class Capability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CAPABILITY_PREFETCH: _ClassVar[Capability]
     CAPABILITY_CHECKSUM_VERIFY: _ClassVar[Capability]
     CAPABILITY_DIRECT_IO: _ClassVar[Capability]
+    CAPABILITY_DATA_PLANE: _ClassVar[Capability]
+    CAPABILITY_SLOT_MAP: _ClassVar[Capability]
+    CAPABILITY_TIERED_DEMOTION: _ClassVar[Capability]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +42,9 @@ CAPABILITY_HOST_CACHE: Capability
 CAPABILITY_PREFETCH: Capability
 CAPABILITY_CHECKSUM_VERIFY: Capability
 CAPABILITY_DIRECT_IO: Capability
+CAPABILITY_DATA_PLANE: Capability
+CAPABILITY_SLOT_MAP: Capability
+CAPABILITY_TIERED_DEMOTION: Capability
 ROLE_UNSPECIFIED: Role
 ROLE_GATE: Role
 ROLE_UP: Role
@@ -102,30 +108,54 @@ class AttachRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "arena", "slot_bytes", "slot_count", "layout")
+    __slots__ = ("session_id", "arena", "slot_bytes", "slot_count", "layout", "slot_map", "data_plane")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAP_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     arena: ArenaDescriptor
     slot_bytes: int
     slot_count: int
     layout: ModelLayout
-    def __init__(self, session_id: _Optional[str] = ..., arena: _Optional[_Union[ArenaDescriptor, _Mapping]] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ...) -> None: ...
+    slot_map: SlotMap
+    data_plane: DataPlane
+    def __init__(self, session_id: _Optional[str] = ..., arena: _Optional[_Union[ArenaDescriptor, _Mapping]] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., slot_map: _Optional[_Union[SlotMap, _Mapping]] = ..., data_plane: _Optional[_Union[DataPlane, _Mapping]] = ...) -> None: ...
+
+class SlotMap(_message.Message):
+    __slots__ = ("offset_bytes", "experts_per_row", "layers")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    experts_per_row: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset_bytes: _Optional[int] = ..., experts_per_row: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DataPlane(_message.Message):
+    __slots__ = ("socket_path", "version")
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    socket_path: str
+    version: int
+    def __init__(self, socket_path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ArenaDescriptor(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "size_bytes", "event_handles")
+    __slots__ = ("shm", "cuda_ipc", "size_bytes", "event_handles", "slot_map_entries")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAP_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryArena
     cuda_ipc: CudaIpcArena
     size_bytes: int
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    slot_map_entries: int
+    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_map_entries: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryArena(_message.Message):
     __slots__ = ("path", "offset")
@@ -256,7 +286,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads")
+    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads", "demotions", "d2h_bytes", "fence_waits", "fence_revocations")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +303,10 @@ class StatsResponse(_message.Message):
     READ_LATENCY_MEAN_US_FIELD_NUMBER: _ClassVar[int]
     LOADS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    D2H_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_WAITS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     bytes_read: int
     h2d_bytes: int
@@ -289,7 +323,11 @@ class StatsResponse(_message.Message):
     read_latency_mean_us: float
     loads_in_flight: int
     reads: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ...) -> None: ...
+    demotions: int
+    d2h_bytes: int
+    fence_waits: int
+    fence_revocations: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ..., demotions: _Optional[int] = ..., d2h_bytes: _Optional[int] = ..., fence_waits: _Optional[int] = ..., fence_revocations: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "hits", "misses", "evictions", "resident_experts", "resident_bytes", "capacity_slots", "coalesced")

@@ -1,0 +1,84 @@
+"""The data plane: storaged's hot-path protocol on a Unix socket beside the gRPC one (version 1).
+
+gRPC stays the control plane (Info, Attach, Stats, health); a Python gRPC round trip costs
+hundreds of microseconds, so the per-layer requests of a decode step travel here instead:
+fixed little-endian frames, one connection per session, requests answered in order.
+
+Every frame is a 16-byte header `<IHHQ`: body length, kind, flags (0), request id; then the body.
+
+    client                                      server
+    HELLO      u32 version, utf-8 session id ->
+                                             <- HELLO_OK u32 version   (+ the session's fence
+                                                page as an SCM_RIGHTS file descriptor)
+    ACQUIRE    u32 layer, u32 flags (bit 0: release other layers), u32 n, n x u32 expert ->
+                                             <- ACQUIRE_OK n x (u32 slot, i32 ready event)
+    PREFETCH   u32 layer, u32 n, n x u32 expert ->
+                                             <- PREFETCH_OK u32 loads started
+    RELEASE    u32 has_layer, u32 layer      -> <- RELEASE_OK (empty)
+                                             <- ERROR u32 status code, utf-8 message
+
+The ERROR status codes are gRPC's canonical codes (grpc.StatusCode values) with the meanings the
+proto lists for Acquire, Prefetch and Release; a request that fails is answered with ERROR and
+the connection stays usable, except after a malformed frame (INVALID_ARGUMENT, then closed) or
+a refused HELLO. The connection binds the session like an Acquire stream: while it is open the
+session's pins live, and when it closes they are released and the session ends.
+
+The fence page (FENCE_BYTES, little-endian u64 words) is how a client that reads the slot map on
+the device tells the daemon which slots it may still be reading: it writes STARTED = n before
+launching step n and FINISHED = n once step n's work has completed; the daemon reuses a slot
+whose map entry it cleared only after every session that was mid-step at that moment finished
+that step. REVOKED (written by the daemon) is non-zero once the daemon stopped honouring the
+page (the session ended, or it stayed mid-step longer than the daemon's fence timeout): a step
+that finished after that may have read overwritten slots and must not be trusted.
+"""
+
+from __future__ import annotations
+
+import struct
+
+VERSION = 1
+
+HEADER = struct.Struct("<IHHQ")  # body bytes, kind, flags, request id
+assert HEADER.size == 16
+MAX_BODY = 1 << 20  # bytes; far above the largest legal request (max ids * 4 + 12)
+
+
+class Kind:
+    HELLO = 1
+    HELLO_OK = 2
+    ACQUIRE = 3
+    ACQUIRE_OK = 4
+    PREFETCH = 5
+    PREFETCH_OK = 6
+    RELEASE = 7
+    RELEASE_OK = 8
+    ERROR = 15
+
+
+ACQUIRE_RELEASE_OTHER_LAYERS = 1  # ACQUIRE flags bit 0
+
+U32 = struct.Struct("<I")
+ACQUIRE_HEAD = struct.Struct("<III")  # layer, flags, count
+PREFETCH_HEAD = struct.Struct("<II")  # layer, count
+RELEASE_BODY = struct.Struct("<II")  # has_layer, layer
+ERROR_HEAD = struct.Struct("<I")  # status code
+SLOT_EVENT = struct.Struct("<Ii")  # slot, ready event (-1: complete)
+
+# fence page: u64 words at these byte offsets
+FENCE_BYTES = 4096
+FENCE_STARTED = 0
+FENCE_FINISHED = 8
+FENCE_REVOKED = 16
+
+
+def frame(kind: int, request_id: int, body: bytes = b"") -> bytes:
+    return HEADER.pack(len(body), kind, 0, request_id) + body
+
+
+def u32_array(values) -> bytes:
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def socket_path_for(grpc_socket: str) -> str:
+    """The data plane's socket beside the gRPC one: `<socket>.data`."""
+    return f"{grpc_socket}.data"
