@@ -24,7 +24,8 @@ def expert_groups(meta: Metadata) -> tuple[int, int]:
     count_key, used_key = meta.key(LLM.EXPERT_GROUP_COUNT), meta.key(LLM.EXPERT_GROUP_USED_COUNT)
     experts = meta.require(LLM.EXPERT_COUNT)
     if experts % groups:
-        raise InvalidMetadataError(meta.path, count_key, groups, f"the {experts} experts do not split into equal groups")
+        raise InvalidMetadataError(meta.path, count_key, groups,
+                                   f"the {experts} experts do not split into equal groups")
     used = meta.get(LLM.EXPERT_GROUP_USED_COUNT)
     if used is None or not 1 <= used <= groups:
         raise InvalidMetadataError(meta.path, used_key, used, f"group-limited routing keeps between 1 and "
