@@ -58,6 +58,14 @@ def top_k_of(config: dict) -> int:
     return get_arch(config.get("model_type")).top_k(config_from_dict(config))
 
 
+def refuse_unrunnable_routing(config: dict) -> None:
+    """Raise packtools.arch.errors.UnrunnableConfig if the model of `config` cannot route as it says."""
+    from packtools.arch import config_from_dict
+    from packtools.arch.routing import check_routing
+
+    check_routing(config_from_dict(config))
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildReport:
     bundle: Path
@@ -74,8 +82,9 @@ def build_bundle(source_path: str | Path, output: str | Path, *, force: bool = F
     start = time.monotonic()
     source = open_source(source_path)
     try:
+        config, source_quantization = _without_quantization_config(source.hf_config())
+        refuse_unrunnable_routing(config)  # a config whose router cannot run is refused before anything is written
         with staged_bundle(output, force=force) as staging:
-            config, source_quantization = _without_quantization_config(source.hf_config())
             config_bytes = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
             (staging / CONFIG).write_bytes(config_bytes)
             pack_header, expert_bytes, types = _write_pack(source, staging / PACK, progress)

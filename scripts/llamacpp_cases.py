@@ -51,6 +51,12 @@ def _deepseek_v3_keys(config: dict) -> dict:
     return {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
+# DeepSeek-V2's config.json says "scoring_func": "softmax" (transformers' DeepseekV2Config does not
+# serialize it); the converter writes it as expert_gating_func 1, as for a real DeepSeek-V2.
+def _deepseek_v2_keys(config: dict) -> dict:
+    return {"scoring_func": "softmax"}
+
+
 def _kimi_linear_keys(config: dict) -> dict:
     """Moonshot's own config.json spellings, which the converter reads (transformers renamed them)."""
     layer_numbers = range(1, config["num_hidden_layers"] + 1)  # Moonshot counts layers from 1
@@ -61,7 +67,12 @@ def _kimi_linear_keys(config: dict) -> dict:
     return {"linear_attn_config": linear, "first_k_dense_replace": 0, "moe_router_activation_func": "sigmoid"}
 
 
-CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "kimi_linear": _kimi_linear_keys}
+CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "deepseek_v2": _deepseek_v2_keys,
+                         "kimi_linear": _kimi_linear_keys}
+# DeepSeek-V2-Lite's routing: plain top-k over all experts (the tiny default is V2 / V2.5's
+# group_limited_greedy). Its q_lora_rank stays: llama.cpp reads a missing q_lora_rank only in
+# 26/27-layer files, which it takes for V2-Lite by their depth.
+DEEPSEEK_V2_LITE_ROUTING = {"topk_method": "greedy", "n_group": 1, "topk_group": 1}
 # llama.cpp's OLMoE graph sizes attn_k_norm as n_embd, i.e. assumes n_kv_heads == n_heads (true of
 # OLMoE-1B-7B); transformers sizes it head_dim * n_kv_heads.
 OLMOE_MHA = {"num_key_value_heads": 4}
@@ -97,6 +108,10 @@ CASES = [
     Case("mixtral", "F32", NARROW),
     Case("olmoe", "F32", NARROW, OLMOE_MHA),
     Case("deepseek_v3", "F32", NARROW),
+    # 8 experts: 4 groups of 2, 2 kept, where DeepSeek-V2's group rule and llama.cpp's part visibly
+    # (with 2 groups of 2 they chose alike at every compared position)
+    Case("deepseek_v2", "F32", {**NARROW, "num_experts": 8}),
+    Case("deepseek_v2", "F32", NARROW, DEEPSEEK_V2_LITE_ROUTING, variant="greedy"),
     Case("gpt_oss", "F32", NARROW),
     Case("kimi_linear", "F32", NARROW),
     Case("gpt_oss", "MXFP4_MOE", NARROW),

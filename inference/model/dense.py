@@ -38,6 +38,23 @@ def _target_dtype(key: str, meta_tensor: torch.Tensor, fp32_pattern: re.Pattern 
     return meta_tensor.dtype
 
 
+# bytes; torch's CPU allocator starts every tensor it allocates on such a boundary (c10 gAlignment)
+TENSOR_ALIGNMENT = 64
+
+
+def _aligned(value: torch.Tensor) -> torch.Tensor:
+    """`value`, copied if its data does not start on a TENSOR_ALIGNMENT boundary.
+
+    safe_open on the CPU maps the file: a tensor starts wherever the file put it, on any 8-byte step.
+    Some BLAS kernels sum in another order for unaligned rows (MKL's GEMV below AVX2 does, e.g. a
+    [1, H] gate), so the same values would give other bits than transformers' own parameters, which
+    its allocator aligns.
+    """
+    if value.data_ptr() % TENSOR_ALIGNMENT == 0:
+        return value
+    return value.clone(memory_format=torch.contiguous_format)
+
+
 def _set_tensor(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
     module_name, _, attr = key.rpartition(".")
     module = model.get_submodule(module_name)
@@ -51,7 +68,7 @@ def load_dense(model: torch.nn.Module, path, device: torch.device, dtype: torch.
     """Load every non-routed state_dict entry from `path`; refuses missing, unexpected or misshapen keys.
 
     Tied weights (lm_head tied to the embeddings) may be absent; they are re-tied afterwards.
-    Returns the number of tensors loaded.
+    Every loaded tensor starts on a TENSOR_ALIGNMENT boundary. Returns the number of tensors loaded.
     """
     expected = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in routed}
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
@@ -74,7 +91,7 @@ def load_dense(model: torch.nn.Module, path, device: torch.device, dtype: torch.
             if value.is_floating_point() != meta.is_floating_point():
                 mismatched.append(f"{key}: file {value.dtype}, model {meta.dtype}")
                 continue
-            _set_tensor(model, key, value.to(_target_dtype(key, meta, fp32_pattern)))
+            _set_tensor(model, key, _aligned(value.to(_target_dtype(key, meta, fp32_pattern))))
         if mismatched:
             raise DenseWeightsError(path, mismatched=mismatched)
     if tied:

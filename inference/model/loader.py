@@ -19,6 +19,7 @@ from inference.experts import (ExpertSource, bind_experts, resolve_compute, rout
                                select_expertpack)
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
+from packtools.arch.routing import check_routing
 from packtools.bundle import DENSE, Bundle, open_bundle
 
 # A source, or something that makes one from the open bundle and the device (LocalPackSource is one).
@@ -89,6 +90,7 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
     bundle = open_bundle(bundle_dir)
     try:
         config = AutoConfig.from_pretrained(bundle.path)
+        check_routing(config)  # bundles built before packtools refused such configs fail here, not mid-generate
         model = build_meta_model(config, dtype)
         load_dense(model, bundle.path / DENSE, device, dtype, routed_parameter_names(model))
         initialize_non_persistent_buffers(model, device)

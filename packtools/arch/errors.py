@@ -47,3 +47,12 @@ class UnexpectedTensor(HFCheckpointError):
 
 class UnsupportedDtype(HFCheckpointError):
     """A routed expert tensor stored in a dtype a pack cannot hold verbatim."""
+
+
+class UnrunnableConfig(ValueError):
+    """A config whose transformers model would build but not run as the config says (e.g. routing
+    settings its router cannot honour); refused before a bundle is written."""
+
+    def __init__(self, model_type: object, setting: str, value: object, reason: str):
+        self.model_type, self.setting, self.value = model_type, setting, value
+        super().__init__(f"{model_type}: {setting}={value!r} cannot run: {reason}")

@@ -31,7 +31,7 @@ def _qwen_sparse_layers(config: PretrainedConfig) -> list[int]:
 
 
 def _after_first_k_dense(config: PretrainedConfig) -> list[int]:
-    # mirrors DeepseekV3DecoderLayer.__init__
+    # mirrors DeepseekV2/V3DecoderLayer.__init__
     return list(range(config.first_k_dense_replace or 0, config.num_hidden_layers))
 
 
@@ -116,6 +116,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         _NAMED_PROJ,
         notes="first_k_dense_replace dense layers; gate.e_score_correction_bias is dense; covers Kimi-K2",
     ),
+    "deepseek_v2": _swiglu(
+        "deepseek_v2",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        _after_first_k_dense,
+        ("mlp",),
+        _NAMED_PROJ,
+        notes="softmax routing (greedy or group_limited_greedy), never renormalised; first_k_dense_replace "
+              "dense layers; covers DeepSeek-V2, V2.5 and V2-Lite",
+    ),
     "deepseek_v4": dataclasses.replace(
         _swiglu(
             "deepseek_v4",
@@ -199,7 +209,7 @@ def tiny_config(
 ) -> PretrainedConfig:
     """A small, real config of `arch` (deterministic: it depends on the arguments only).
 
-    Routed experts sit in every layer the architecture allows (deepseek_v3 keeps its first layer
+    Routed experts sit in every layer the architecture allows (deepseek_v2/v3 keep their first layer
     dense when num_layers >= 2; deepseek_v4's first layer is hash-routed). Builds with
     AutoModelForCausalLM.from_config and runs on CPU in float32; hidden_size=4096,
     num_experts=256, moe_intermediate_size=2048 give full-width layers.

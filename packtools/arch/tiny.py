@@ -166,6 +166,16 @@ def _deepseek_v3(size: TinySize) -> dict:
     }
 
 
+def _deepseek_v2(size: TinySize) -> dict:
+    # DeepSeek-V2 / V2.5's routing: softmax, best-expert group scores, top-k weights not renormalised
+    v3_only = ("num_nextn_predict_layers",)  # DeepSeek-V2 has no multi-token prediction layers
+    return {
+        **{k: v for k, v in _deepseek_v3(size).items() if k not in v3_only},
+        "topk_method": "group_limited_greedy",
+        "norm_topk_prob": False,
+    }
+
+
 def _kimi_moe(size: TinySize) -> dict:
     """Moonshot's MoE keys (Kimi-Linear and Kimi-K3 name them alike): one shared expert, no groups."""
     return {
@@ -249,6 +259,7 @@ TINY_BUILDERS: dict[str, Callable[[TinySize], dict]] = {
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
+    "deepseek_v2": _deepseek_v2,
     "kimi_linear": _kimi_linear,
     "deepseek_v4": _deepseek_v4,
     "kimi_k3": _kimi_k3,

@@ -1,8 +1,10 @@
 """Which transformers model_type each GGUF architecture is, and what llama.cpp implies for it.
 
 gguf-py 0.19 knows seven of our MoE architectures. Mixtral has no GGUF arch of its own:
-llama.cpp's converter writes it as LLAMA with experts. DeepSeek-V3 and Kimi-K2 are DEEPSEEK2
-with sigmoid gating (DeepSeek-V2 is DEEPSEEK2 with softmax gating, which we do not map).
+llama.cpp's converter writes it as LLAMA with experts. DEEPSEEK2 is two transformers models, told
+apart by the file's expert_gating_func: sigmoid is DeepSeek-V3 (and Kimi-K2), softmax is
+DeepSeek-V2 / V2.5 / V2-Lite, whose older GGUFs carry no gating key at all (llama.cpp reads
+softmax then).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ARCHS: dict[str, GGUFArch] = {
     "mixtral": GGUFArch("mixtral", MODEL_ARCH.LLAMA, None, None),
     "olmoe": GGUFArch("olmoe", MODEL_ARCH.OLMOE, False, "norm_topk_prob"),
     "deepseek_v3": GGUFArch("deepseek_v3", MODEL_ARCH.DEEPSEEK2, False, "norm_topk_prob", mla=True),
+    "deepseek_v2": GGUFArch("deepseek_v2", MODEL_ARCH.DEEPSEEK2, False, "norm_topk_prob", mla=True),
     "gpt_oss": GGUFArch("gpt_oss", MODEL_ARCH.GPT_OSS, None, None),
     "kimi_linear": GGUFArch("kimi_linear", MODEL_ARCH.KIMI_LINEAR, True, "moe_renormalize", mla=True),
     # llama.cpp reads expert_weights_norm with default false for kimi-k3; tables: packtools.gguf.kimi_k3*
@@ -46,7 +49,10 @@ ARCHS: dict[str, GGUFArch] = {
     "deepseek_v4": GGUFArch("deepseek_v4", None, True, "norm_topk_prob", arch_name="deepseek4"),
 }
 
-_BY_GGUF_NAME = {arch.gguf_name: arch for arch in ARCHS.values()}
+# deepseek2 names two models; the gating function chooses (arch_for_gguf)
+_BY_GGUF_NAME = {arch.gguf_name: arch for arch in ARCHS.values() if arch.model_type != "deepseek_v2"}
+_DEEPSEEK2_BY_GATING = {gguf.ExpertGatingFuncType.SIGMOID: ARCHS["deepseek_v3"],
+                        gguf.ExpertGatingFuncType.SOFTMAX: ARCHS["deepseek_v2"]}
 
 
 def arch_for_model_type(model_type: str) -> GGUFArch:
@@ -58,15 +64,36 @@ def arch_for_model_type(model_type: str) -> GGUFArch:
         ) from None
 
 
-def arch_for_gguf(path: object, gguf_name: str, *, expert_count: int, gating_func: int | None) -> GGUFArch:
-    """The transformers architecture a GGUF file's general.architecture (plus experts) denotes."""
+def arch_for_gguf(path: object, gguf_name: str, *, expert_count: int, gating_func: int | None,
+                  selection_bias: bool = False) -> GGUFArch:
+    """The transformers architecture a GGUF file's general.architecture (plus experts) denotes.
+
+    `selection_bias`: the file has routers' expert-selection biases (`exp_probs_b`, DeepSeek-V3's
+    e_score_correction_bias)."""
     arch = _BY_GGUF_NAME.get(gguf_name)
     if arch is None:
         raise UnknownArchitectureError(path, gguf_name, f"known: {', '.join(sorted(_BY_GGUF_NAME))}")
     if expert_count <= 0:
         raise UnknownArchitectureError(path, gguf_name, "no routed experts (expert_count is 0 or absent)")
-    if arch.gguf_arch == MODEL_ARCH.DEEPSEEK2 and gating_func != gguf.ExpertGatingFuncType.SIGMOID:
+    if arch.gguf_arch == MODEL_ARCH.DEEPSEEK2:
+        return _deepseek2_arch(path, gguf_name, gating_func, selection_bias)
+    return arch
+
+
+def _deepseek2_arch(path: object, gguf_name: str, gating_func: int | None, selection_bias: bool) -> GGUFArch:
+    # llama.cpp runs a deepseek2 file without the key as softmax (DeepSeek-V2 / V2.5 GGUFs predate it)
+    gating = gguf.ExpertGatingFuncType.SOFTMAX if gating_func is None else gating_func
+    arch = _DEEPSEEK2_BY_GATING.get(gating)
+    if arch is None:
+        known = ", ".join(f"{int(g)} ({g.name.lower()})" for g in sorted(_DEEPSEEK2_BY_GATING))
+        raise UnknownArchitectureError(path, gguf_name, f"expert_gating_func {gating_func} is none of {known}")
+    if arch.model_type == "deepseek_v2" and selection_bias:
+        given = "absent (llama.cpp reads softmax)" if gating_func is None else f"{gating_func} (softmax)"
         raise UnknownArchitectureError(
-            path, gguf_name, f"expert_gating_func {gating_func} is not sigmoid: DeepSeek-V2 routing, not V3"
+            path, gguf_name,
+            f"expert_gating_func {given} with expert-selection biases (exp_probs_b): DeepSeek-V2's router has "
+            "no selection bias and DeepSeek-V3's gates with sigmoid; a DeepSeek-V3 checkpoint converted from a "
+            "config.json without scoring_func looks like this, and converting it again with "
+            '"scoring_func": "sigmoid" in config.json writes the gating key',
         )
     return arch

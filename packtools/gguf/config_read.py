@@ -16,9 +16,10 @@ from packtools.arch import get_arch
 from packtools.gguf.archs import GGUFArch
 from packtools.gguf.config_write import DEEPSEEK_YARN_LOG_MUL_PER_MSCALE
 from packtools.gguf.deepseek4 import config_kwargs as _deepseek_v4
-from packtools.gguf.errors import UnknownArchitectureError
+from packtools.gguf.errors import InvalidMetadataError, UnknownArchitectureError
 from packtools.gguf.kimi_k3 import config_kwargs as _kimi_k3
 from packtools.gguf.metadata import Metadata, shortest_float
+from packtools.gguf.routing import expert_groups
 
 LLM, ATTN, ROPE, TOK = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 LLAMA_CPP_DEFAULT_ROPE_THETA = 10000.0
@@ -87,7 +88,7 @@ def _rope_parameters(meta: Metadata, arch: GGUFArch) -> dict | None:
             "beta_slow": ROPE.SCALING_YARN_BETA_SLOW,
         }
         params.update({name: meta.get(key) for name, key in optional.items() if key in meta})
-        if arch.model_type == "deepseek_v3" and ROPE.SCALING_YARN_LOG_MUL in meta:
+        if arch.model_type in ("deepseek_v3", "deepseek_v2") and ROPE.SCALING_YARN_LOG_MUL in meta:
             mscale = shortest_float(meta.get(ROPE.SCALING_YARN_LOG_MUL) / DEEPSEEK_YARN_LOG_MUL_PER_MSCALE)
             params.update(mscale=mscale, mscale_all_dim=mscale)
         if arch.model_type == "gpt_oss":
@@ -162,18 +163,42 @@ def _mla(meta: Metadata, kwargs: dict) -> dict:
         "v_head_dim": value_dim,
         "moe_intermediate_size": meta.require(LLM.EXPERT_FEED_FORWARD_LENGTH),
         "routed_scaling_factor": meta.get(LLM.EXPERT_WEIGHTS_SCALE, 1.0),
-        "topk_group": meta.get(LLM.EXPERT_GROUP_USED_COUNT, 1),
+    }
+
+
+def _deepseek2(meta: Metadata, kwargs: dict) -> dict:
+    """What DeepSeek-V2 and V3 read alike: MLA, leading dense layers, shared experts."""
+    return {
+        **_mla(meta, kwargs),
+        "first_k_dense_replace": meta.get(LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        "n_shared_experts": meta.get(LLM.EXPERT_SHARED_COUNT, 0),
     }
 
 
 def _deepseek_v3(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
+    n_group, topk_group = expert_groups(meta)
     return {
-        **_mla(meta, kwargs),
-        "first_k_dense_replace": meta.get(LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        **_deepseek2(meta, kwargs),
         # llama.cpp's converter drops DeepSeek's multi-token-prediction layers; none are in the file
         "num_nextn_predict_layers": 0,
-        "n_shared_experts": meta.get(LLM.EXPERT_SHARED_COUNT, 0),
-        "n_group": meta.get(LLM.EXPERT_GROUP_COUNT, 1),
+        "n_group": n_group,
+        "topk_group": topk_group,
+    }
+
+
+def _deepseek_v2(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
+    if kwargs["norm_topk_prob"]:
+        raise InvalidMetadataError(meta.path, meta.key(LLM.EXPERT_WEIGHTS_NORM), True,
+                                   "transformers' DeepseekV2 router never renormalises the top-k weights")
+    n_group, topk_group = expert_groups(meta)
+    # DeepSeek-V2 and V2.5 keep the best groups by their best expert (group_limited_greedy); llama.cpp
+    # scores a group by its two best experts instead (DeepSeek-V3's rule), which changes the choice
+    # only when groups are limited. The file does not say which: the checkpoint's rule is the model.
+    return {
+        **_deepseek2(meta, kwargs),
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "topk_method": "group_limited_greedy" if n_group > 1 else "greedy",
     }
 
 
@@ -202,7 +227,7 @@ def _kimi_linear(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
         "linear_head_dim": meta.require(gguf.Keys.KDA.HEAD_DIM),
         "linear_conv_kernel_dim": meta.require(gguf.Keys.SSM.CONV_KERNEL),
         "num_shared_experts": meta.get(LLM.EXPERT_SHARED_COUNT, 0),
-        "num_expert_group": meta.get(LLM.EXPERT_GROUP_COUNT, 1),
+        **dict(zip(("num_expert_group", "topk_group"), expert_groups(meta))),
     }
 
 
@@ -212,6 +237,7 @@ _ARCH_READERS: dict[str, Callable[[Metadata, TensorFacts, dict], dict]] = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
     "deepseek_v3": _deepseek_v3,
+    "deepseek_v2": _deepseek_v2,
     "gpt_oss": _gpt_oss,
     "kimi_linear": _kimi_linear,
     "kimi_k3": _kimi_k3,

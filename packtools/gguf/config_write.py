@@ -4,7 +4,9 @@ Keys are written with GGUFWriter's add_* methods, so names and value types are g
 Two additions over the converter, both harmless to llama.cpp: `expert_weights_norm` for every
 arch whose transformers config has the switch (llama.cpp hard-codes it per arch, and a
 transformers config may differ), and `expert_group_count`/`expert_group_used_count` whenever the
-config uses expert groups. Settings no GGUF key can carry raise UnrepresentableConfigError.
+config's groups limit the routing (keeping every group limits nothing, and llama.cpp refuses a used
+count that is not below the group count). Settings no GGUF key can carry raise
+UnrepresentableConfigError; configs whose model cannot run (packtools.arch.routing) UnrunnableConfig.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gguf
 from transformers import PretrainedConfig
 
 from packtools.arch import get_arch
+from packtools.arch.routing import check_routing
 from packtools.gguf.archs import GGUFArch, arch_for_model_type
 from packtools.gguf.errors import UnrepresentableConfigError
 
@@ -25,6 +28,7 @@ DEEPSEEK_YARN_LOG_MUL_PER_MSCALE = 0.1
 def write_config_kv(writer: gguf.GGUFWriter, config: PretrainedConfig) -> GGUFArch:
     """Add the architecture's hyperparameters to `writer`; returns the GGUF arch used."""
     arch = arch_for_model_type(config.model_type)
+    check_routing(config)
     if config.model_type != "gpt_oss" and config.hidden_act != "silu":
         _refuse(config, "hidden_act", config.hidden_act, "llama.cpp's MoE graphs use SiLU-gated FFNs")
     writer.add_block_count(config.num_hidden_layers)
@@ -68,7 +72,7 @@ def _write_rope(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
         writer.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
     if params.get("beta_slow") is not None:
         writer.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
-    if config.model_type == "deepseek_v3" and params.get("mscale_all_dim"):
+    if config.model_type in ("deepseek_v3", "deepseek_v2") and params.get("mscale_all_dim"):
         if params.get("mscale", params["mscale_all_dim"]) != params["mscale_all_dim"]:
             _refuse(config, "rope_parameters.mscale", params.get("mscale"), "GGUF holds one yarn mscale")
         writer.add_rope_scaling_yarn_log_mul(DEEPSEEK_YARN_LOG_MUL_PER_MSCALE * params["mscale_all_dim"])
@@ -77,7 +81,7 @@ def _write_rope(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
 
 
 def _write_expert_groups(writer: gguf.GGUFWriter, n_group: int | None, topk_group: int | None) -> None:
-    if n_group is not None and n_group > 1:
+    if n_group is not None and topk_group is not None and topk_group < n_group:
         writer.add_expert_group_count(n_group)
         writer.add_expert_group_used_count(topk_group)
 
@@ -137,16 +141,26 @@ def _write_mla(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     writer.add_vocab_size(config.vocab_size)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
-def _deepseek_v3(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+def _write_deepseek2(writer: gguf.GGUFWriter, config: PretrainedConfig, gating: gguf.ExpertGatingFuncType) -> None:
     _write_mla(writer, config)
+    writer.add_expert_gating_func(gating)
     writer.add_head_count_kv(1)
     writer.add_value_length(config.kv_lora_rank)
     writer.add_leading_dense_block_count(config.first_k_dense_replace or 0)
     writer.add_expert_shared_count(config.n_shared_experts or 0)
+
+
+def _deepseek_v3(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    _write_deepseek2(writer, config, gguf.ExpertGatingFuncType.SIGMOID)
     _write_expert_groups(writer, config.n_group, config.topk_group)
+
+
+def _deepseek_v2(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
+    _write_deepseek2(writer, config, gguf.ExpertGatingFuncType.SOFTMAX)
+    if config.topk_method == "group_limited_greedy":  # "greedy" ignores the groups
+        _write_expert_groups(writer, config.n_group, config.topk_group)
 
 
 def _gpt_oss(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
@@ -171,6 +185,7 @@ def _kimi_linear(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     if any(dense[leading_dense:]):
         _refuse(config, "mlp_layer_types", config.mlp_layer_types, "dense layers must all come first")
     _write_mla(writer, config)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     # a KV head count of 0 marks a KDA (linear attention) layer
     writer.add_head_count_kv([1 if kind == "full_attention" else 0 for kind in config.layer_types])
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
@@ -186,6 +201,7 @@ _ARCH_WRITERS: dict[str, Callable[[gguf.GGUFWriter, PretrainedConfig], None]] = 
     "mixtral": _mixtral,
     "olmoe": _olmoe,
     "deepseek_v3": _deepseek_v3,
+    "deepseek_v2": _deepseek_v2,
     "gpt_oss": _gpt_oss,
     "kimi_linear": _kimi_linear,
 }

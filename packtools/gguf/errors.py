@@ -76,6 +76,15 @@ class MissingMetadataError(GGUFError):
         self.key = key
 
 
+class InvalidMetadataError(GGUFError):
+    """A metadata value the architecture's model cannot run with (alone or with other keys)."""
+
+    def __init__(self, path: object, key: str, value: object, reason: str):
+        super().__init__(f"{path}: metadata {key}={value!r}: {reason}")
+        self.key = key
+        self.value = value
+
+
 class TensorMappingError(GGUFError):
     """A tensor has no counterpart on the other side (GGUF name <-> transformers state_dict key)."""
 

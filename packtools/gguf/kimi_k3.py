@@ -18,6 +18,7 @@ import gguf
 
 from packtools.gguf.errors import ExpertLayoutError, UnknownArchitectureError
 from packtools.gguf.metadata import Metadata
+from packtools.gguf.routing import expert_groups
 
 if TYPE_CHECKING:
     from packtools.gguf.config_read import TensorFacts
@@ -92,6 +93,7 @@ def config_kwargs(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
         "mla_use_nope": True,
         "moe_intermediate_size": meta.require(LLM.EXPERT_FEED_FORWARD_LENGTH),
         "num_shared_experts": meta.get(LLM.EXPERT_SHARED_COUNT, 0),
+        **dict(zip(("num_expert_group", "topk_group"), expert_groups(meta))),
         "first_k_dense_replace": meta.get(LLM.LEADING_DENSE_BLOCK_COUNT, 0),
         "routed_scaling_factor": meta.get(LLM.EXPERT_WEIGHTS_SCALE, 1.0),
         "moe_router_activation_func": "sigmoid",

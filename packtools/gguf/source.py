@@ -33,6 +33,7 @@ _TOKEN_EMBD = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
 _OUTPUT = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
 _ATTN_Q_BIAS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias"
 _SHEXP_GATE = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_SHEXP] + ".weight"
+_SELECTION_BIAS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_EXP_PROBS_B] + ".bias"
 
 
 class GGUFSource:
@@ -45,9 +46,11 @@ class GGUFSource:
         architecture = Metadata(self.path, fields).require(gguf.Keys.General.ARCHITECTURE)
         self.meta = Metadata(self.path, fields, architecture)
         self._tensors = index_tensors(self._shards)
+        block_count = self.meta.get(LLM.BLOCK_COUNT, 0)
         self.arch = arch_for_gguf(
             self.path, architecture,
             expert_count=self.meta.get(LLM.EXPERT_COUNT, 0), gating_func=self.meta.get(LLM.EXPERT_GATING_FUNC),
+            selection_bias=any(_SELECTION_BIAS.format(bid=b) in self._tensors for b in range(block_count)),
         )
         self._experts = find_expert_tensors(self._tensors)
         hidden = expert_hidden_width(self.meta)

@@ -18,7 +18,8 @@ from inference.experts import LocalPackSource
 from inference.model import load_model
 from packtools.pack import ElementType, Role
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v4", "kimi_linear", "gpt_oss"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear",
+         "gpt_oss"]
 F32_RELATIVE_TOLERANCE = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,7 +28,7 @@ F32_RELATIVE_TOLERANCE = 1e-4
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}  # K-quant rows are 256-element blocks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HF_CASES = [(arch, "float32") for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3",
+HF_CASES = [(arch, "float32") for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
                                            "deepseek_v4", "kimi_linear", "gpt_oss")]
 HF_CASES += [("qwen3_moe", "bfloat16"), ("gpt_oss", "bfloat16")]
 
@@ -50,6 +50,7 @@ GGUF_CASES = [
     ("olmoe", "Q5_K", WIDE),
     ("mixtral", "Q4_K", WIDE),
     ("deepseek_v3", "Q6_K", WIDE),
+    ("deepseek_v2", "Q4_K", WIDE),
     ("kimi_linear", "Q8_0", {}),
     ("gpt_oss", "MXFP4", {}),  # GGUF layout: split out_in gate/up/down, F32 biases
 ]

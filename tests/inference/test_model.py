@@ -24,7 +24,7 @@ from packtools.bundle import open_bundle
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "deepseek_v4", "kimi_linear", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear", "gpt_oss"])
 def test_routed_experts_stay_meta_and_everything_else_equals_the_reference(arch, tmp_path):
     reference, bundle_dir = make_case(arch, tmp_path / "b")
     with load_model(bundle_dir, device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as loaded:

@@ -37,7 +37,8 @@ from packtools.tokenizer_synth import build_tokenizer
 from gguf_handmade import Q, handmade_kv, handmade_tensors, write_handmade
 
 REPO = Path(__file__).resolve().parents[2]
-HF_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v4", "kimi_linear", "gpt_oss")
+HF_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear",
+            "gpt_oss")
 # (arch, dtype, how the checkpoint is laid out)
 HF_CASES = [pytest.param(arch, "bfloat16", "single", id=f"hf-{arch}") for arch in HF_ARCHS] + [
     pytest.param("qwen3_moe", "float16", "sharded", id="hf-qwen3_moe-f16-sharded"),
@@ -54,6 +55,7 @@ GGUF_CASES = [
     pytest.param("mixtral", "Q2_K", WIDE, None, id="gguf-mixtral-Q2_K"),
     pytest.param("olmoe", "Q6_K", WIDE, None, id="gguf-olmoe-Q6_K"),
     pytest.param("deepseek_v3", "Q3_K", WIDE, None, id="gguf-deepseek_v3-Q3_K"),
+    pytest.param("deepseek_v2", "Q5_0", NARROW, None, id="gguf-deepseek_v2-Q5_0"),
     pytest.param("kimi_linear", "Q8_0", NARROW, None, id="gguf-kimi_linear-Q8_0"),
     pytest.param("gpt_oss", "MXFP4", NARROW, None, id="gguf-gpt_oss-MXFP4"),
     pytest.param("qwen3_moe", "F16", NARROW, 7, id="gguf-qwen3_moe-F16-split"),

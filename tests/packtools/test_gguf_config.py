@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from packtools.arch.errors import UnrunnableConfig
 from packtools.gguf.errors import UnrepresentableConfigError
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
@@ -24,6 +25,10 @@ ROUND_TRIPS = [
                  id="deepseek-yarn"),
     pytest.param("deepseek_v3", {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.5,
                                  "norm_topk_prob": False}, id="deepseek-no-q-lora-no-groups"),
+    pytest.param("deepseek_v2", {"rope_parameters": DEEPSEEK_YARN, "max_position_embeddings": 2560},
+                 id="deepseek-v2-yarn-group-limited"),
+    pytest.param("deepseek_v2", {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                                 "routed_scaling_factor": 16.0}, id="deepseek-v2-lite-greedy"),
     pytest.param("qwen3_moe", {"norm_topk_prob": False, "rope_parameters": LINEAR_ROPE}, id="qwen3-linear-rope"),
     pytest.param("qwen2_moe", {"norm_topk_prob": True, "qkv_bias": False}, id="qwen2-renorm-no-qkv-bias"),
     pytest.param("kimi_linear", {"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "moe_renormalize": False,
@@ -69,4 +74,13 @@ def test_unrepresentable_settings_are_refused(tmp_path, arch, overrides, setting
     model = tiny_random_model(arch, seed=9, overrides=overrides)
     with pytest.raises(UnrepresentableConfigError, match=setting):
         synth_gguf(arch, tmp_path / "m.gguf", model=model)
+    assert not list(tmp_path.iterdir())
+
+
+def test_unrunnable_routing_is_not_written(tmp_path):
+    """transformers' DeepseekV2 ignores norm_topk_prob; a file saying true would make llama.cpp
+    renormalise where the model does not."""
+    model = tiny_random_model("deepseek_v2", seed=9, overrides={"norm_topk_prob": True})
+    with pytest.raises(UnrunnableConfig, match="norm_topk_prob"):
+        synth_gguf("deepseek_v2", tmp_path / "m.gguf", model=model)
     assert not list(tmp_path.iterdir())

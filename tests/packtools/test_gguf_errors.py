@@ -116,7 +116,9 @@ def test_bad_inputs_raise_typed_errors(tmp_path, mutate, corrupt, error, text):
 
 @pytest.mark.parametrize("arch,extra_kv,text", [
     ("falcon", {}, "'falcon'"),
-    ("deepseek2", {"gating": lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)}, "not sigmoid"),
+    # 3 is llama.cpp's softmax_weight: neither DeepSeek-V2's softmax (1) nor V3's sigmoid (2)
+    ("deepseek2", {"gating": lambda w: w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch="deepseek2"), 3)},
+     r"expert_gating_func 3 is none of 1 \(softmax\), 2 \(sigmoid\)"),
 ])
 def test_unknown_architectures(tmp_path, arch, extra_kv, text):
     kv = {**handmade_kv(), **extra_kv}

@@ -63,7 +63,8 @@ def written(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
+                                  "kimi_linear"])
 def test_swiglu_experts_split_gate_and_up(written, arch):
     w = written(arch)
     layers = sorted({int(k.split(".")[2]) for k in w.state if k.endswith("mlp.experts.gate_up_proj")})

@@ -26,7 +26,7 @@ from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf
 from packtools.tokenizer_synth import build_tokenizer
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "kimi_linear")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "kimi_linear")
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quant rows: 256-element blocks
 CASES = (
     [pytest.param(arch, "F32", {}, id=f"{arch}-F32") for arch in ARCHS]
