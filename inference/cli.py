@@ -64,7 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"inference generate: {exc}", file=sys.stderr)
         return EXIT_USAGE
     loaded = load_from_args(args)
-    engine = Engine.from_loaded(loaded)
+    engine = Engine.from_loaded(loaded, static_cache_len=args.static_cache_len)
     try:
         tokenizer = engine.tokenizer
         if args.chat:

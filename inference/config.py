@@ -8,7 +8,7 @@ import os
 import torch
 
 from inference.engine.timed_source import TimedExpertSource
-from inference.experts import ExpertSource, LocalPackSource
+from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
 from inference.model import LoadedModel, load_model
 from packtools.bundle import Bundle
 
@@ -38,6 +38,43 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storaged-model", metavar="NAME", default=None,
                         help="with --storaged: the daemon's name for this bundle (its `--model NAME=DIR`); "
                              "default: the bundle directory's name")
+    parser.add_argument("--experts-compute", choices=COMPUTE_MODES, default="auto",
+                        help="auto (default): fused kernels reading quantized slots in place on CUDA, the exact "
+                             "path elsewhere; exact: eager's per-expert arithmetic everywhere; fused: refuse to "
+                             "start where the fused kernels cannot run")
+    parser.add_argument("--lookahead", type=_lookahead, default="auto", metavar="N|auto",
+                        help="experts per token each MoE layer predicts for the next one and hints to storaged "
+                             "(0: off; auto: twice the model's top-k with --storaged, off otherwise)")
+    parser.add_argument("--static-cache-len", type=_non_negative, default=4096, metavar="TOKENS",
+                        help="decode through a static KV cache of this many tokens, each step one CUDA graph "
+                             "reading experts via storaged's slot map, where the model allows it (default 4096; "
+                             "0: off); longer requests decode eagerly")
+
+
+def _lookahead(text: str) -> int | str:
+    return "auto" if text == "auto" else _non_negative(text)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def lookahead_of(args: argparse.Namespace, config) -> int:
+    """Experts per token to hint for the next layer: the flag, or for "auto" 2 x top-k with storaged."""
+    value = getattr(args, "lookahead", 0)
+    if value != "auto":
+        return value
+    if not getattr(args, "storaged", None):
+        return 0
+    from packtools.arch import get_arch
+
+    return 2 * get_arch(config.model_type).top_k(config)
 
 
 def make_expert_source(args: argparse.Namespace, bundle: Bundle, device: torch.device | str | None = None
@@ -68,8 +105,13 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
     """Load the bundle as the parsed model arguments say."""
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.bundle)
     return load_model(args.bundle, device=args.device, dtype=DTYPES[args.dtype],
-                      expert_source=lambda bundle, device: make_expert_source(args, bundle, device))
+                      expert_source=lambda bundle, device: make_expert_source(args, bundle, device),
+                      experts_compute=getattr(args, "experts_compute", "auto"),
+                      lookahead=lookahead_of(args, config))
 
 
 def default_model_name(bundle_dir: str | os.PathLike) -> str:

@@ -75,13 +75,14 @@ class Engine:
         self._worker.start()
 
     @classmethod
-    def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None) -> Engine:
-        """An engine for an inference.model.LoadedModel."""
+    def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, static_cache_len: int = 0) -> Engine:
+        """An engine for an inference.model.LoadedModel (static_cache_len: see ModelRunner)."""
         if loaded.tokenizer is None:
             raise EngineError(f"bundle {loaded.bundle.path} has no tokenizer; text generation needs one")
         runner = ModelRunner(loaded.model, SerializedTokenizer(loaded.tokenizer),
                              eos_ids=eos_token_ids(loaded.tokenizer, loaded.model.generation_config),
-                             context_length=context_length_of(loaded.config))
+                             context_length=context_length_of(loaded.config), expert_source=loaded.expert_source,
+                             static_cache_len=static_cache_len)
         return cls(runner, loaded.expert_source, metrics=metrics)
 
     @property

@@ -53,7 +53,12 @@ def _cache_of(output):
 class ModelRunner:
     """A loaded model and its tokenizer, generating for one request at a time."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, eos_ids: Iterable[int], context_length: int | None):
+    def __init__(self, model: torch.nn.Module, tokenizer, *, eos_ids: Iterable[int], context_length: int | None,
+                 expert_source=None, static_cache_len: int = 0):
+        """static_cache_len > 0: decode through a StaticDecoder of that many tokens (a CUDA graph
+        per step reading experts through storaged's slot map) when the model and `expert_source`
+        allow it (inference.engine.decode_graph.why_not); requests that do not fit it, and models
+        that cannot, decode eagerly."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -63,6 +68,13 @@ class ModelRunner:
         self.vocab_size = int(embeddings.weight.shape[0])
         self._cache_keyword = _cache_keyword(model)
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.decoder = None
+        if static_cache_len:
+            from inference.engine.decode_graph import StaticDecoder
+
+            length = min(static_cache_len, context_length or static_cache_len)
+            self.decoder = StaticDecoder.create(model, expert_source, max_len=length,
+                                                cache_keyword=self._cache_keyword)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "prompt") -> None:
         """Refuse a prompt the model cannot take, or a max_tokens that does not fit the context."""
@@ -112,6 +124,8 @@ class ModelRunner:
         tokens: list[int] = []
         first_token_at = None
         finish_reason, matched_stop = FINISH_LENGTH, False
+        static = self.decoder if self.decoder is not None and self.decoder.fits(
+            len(prompt_ids), params.max_tokens) else None
         with torch.inference_mode():
             generator = request_generator(params, self.device)
             input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
@@ -120,7 +134,10 @@ class ModelRunner:
                 if cancelled():
                     finish_reason = FINISH_CANCELLED
                     break
-                logits, cache = self._forward(input_ids, cache)  # [V]
+                if static is not None:  # static cache: prefill, then one step per token
+                    logits = static.step(tokens[-1]) if tokens else static.start(prompt_ids)  # [V]
+                else:
+                    logits, cache = self._forward(input_ids, cache)  # [V]
                 token = next_token(logits, params, generator)
                 tokens.append(token)
                 if first_token_at is None:

@@ -30,6 +30,17 @@ class TimedExpertSource:
             with self._lock:
                 self._seconds += elapsed
 
+    def acquire_rows(self, layer: int, experts: list[int]):
+        from inference.experts.source import acquire_rows
+
+        started = time.perf_counter()
+        try:
+            return acquire_rows(self.source, layer, experts)
+        finally:
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                self._seconds += elapsed
+
     def expert_wait_seconds(self) -> float:
         with self._lock:
             return self._seconds

@@ -2,6 +2,7 @@
 
 from inference.experts.binding import (
     COMPUTE_MODES,
+    attach_lookahead,
     bind_experts,
     resolve_compute,
     experts_modules,
@@ -22,7 +23,7 @@ from inference.experts.source import ExpertSource, LocalPackSource, SlotRows, ac
 
 __all__ = [
     "IMPLEMENTATION_NAME", "COMPUTE_MODES", "ExpertSource", "LocalPackSource", "SlotRows", "acquire_rows",
-    "uniform_layout", "ExpertsBinding", "DeviceLookup", "LayerPlan", "resolve_compute",
+    "uniform_layout", "ExpertsBinding", "DeviceLookup", "LayerPlan", "resolve_compute", "attach_lookahead",
     "build_layer_plan", "bind_experts", "experts_modules", "register_experts_implementation",
     "routed_parameter_names", "select_expertpack", "expertpack_experts_forward", "ExpertsError",
     "ExpertLayoutError", "ExpertSourceError", "RoutingError", "UnboundExpertsError",

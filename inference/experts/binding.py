@@ -106,3 +106,27 @@ def select_expertpack(model) -> None:
     if model.config._experts_implementation != IMPLEMENTATION_NAME:
         raise ExpertsError(f"transformers kept experts_implementation={model.config._experts_implementation!r} "
                            f"after selecting {IMPLEMENTATION_NAME!r}")
+
+
+def attach_lookahead(model: torch.nn.Module, bindings: dict[int, ExpertsBinding], source: ExpertSource,
+                     *, per_token: int) -> int:
+    """Give each MoE layer but the last a predictor of the next MoE layer's experts, hinted to
+    `source` (which must have `prefetch(layer, experts)`). Returns how many layers got one; a
+    layer whose next block has no recognisable router gets none."""
+    from inference.experts.lookahead import NextLayerPredictor, router_of
+
+    if not callable(getattr(source, "prefetch", None)):
+        raise ExpertsError(f"{type(source).__name__} takes no prefetch hints; lookahead needs a source that does")
+    modules = experts_modules(model)
+    layers = list(bindings)
+    attached = 0
+    for layer, next_layer in zip(layers, layers[1:]):
+        name, experts = modules[next_layer]
+        block = model.get_submodule(name.rpartition(".")[0])
+        target = bindings[next_layer].plan.target
+        router = router_of(block, experts, target.num_experts, target.hidden)
+        if router is None:
+            continue
+        bindings[layer].predict = NextLayerPredictor(source, next_layer, router[0], per_token, router[1])
+        attached += 1
+    return attached

@@ -96,7 +96,7 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
 
 def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None
              ) -> tuple[list[int], list[int], list[int]]:
-    """(distinct experts, their pair counts, predicted next-layer experts) in one transfer."""
+    """(distinct experts, their pair counts, the next layer's predicted-expert mask) in one transfer."""
     parts = [unique, counts] if hint is None else [unique, counts, hint.to(unique.dtype)]
     flat = torch.cat(parts).tolist()
     n = unique.numel()

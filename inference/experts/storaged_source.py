@@ -37,7 +37,7 @@ import grpc
 import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
-from inference.experts.source import uniform_layout
+from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
 from packtools.bundle import MANIFEST, Bundle
 from packtools.pack import RoleEntry
 from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
@@ -239,6 +239,34 @@ class StoragedExpertSource:
             return self._wait_seconds
 
     def _acquire(self, layer: int, experts: list[int]) -> list[torch.Tensor]:
+        session, slots = self._acquired_slots(layer, experts)
+        layer_layout = session.layers[layer]
+        objects = []
+        for expert, slot in zip(experts, slots, strict=True):
+            view = session.slot_bytes(slot, layer_layout.object(expert).object_bytes)  # uint8 [object bytes]
+            objects.append(view if view.device == self.device else view.to(self.device))
+        return objects
+
+    def acquire_rows(self, layer: int, experts: list[int]) -> SlotRows:
+        """The experts' slots as rows of the shared arena (no copy when the arena lives on the
+        compute device): kernels read the objects in place. Valid until the next acquire."""
+        started = time.perf_counter()
+        try:
+            session, slots = self._acquired_slots(layer, experts)
+            arena = session.arena.slots()  # uint8 [slot_count * slot_bytes]
+            if arena.device == self.device:
+                return SlotRows(arena, session.slot_size, tuple(slots))
+            return rows_of_objects(self._acquire_views(session, layer, experts, slots))
+        finally:
+            with self._wait_lock:
+                self._wait_seconds += time.perf_counter() - started
+
+    def _acquire_views(self, session: Session, layer: int, experts: list[int], slots: list[int]) -> list[torch.Tensor]:
+        layout = session.layers[layer]
+        return [session.slot_bytes(slot, layout.object(e).object_bytes).to(self.device)
+                for e, slot in zip(experts, slots, strict=True)]
+
+    def _acquired_slots(self, layer: int, experts: list[int]) -> tuple[Session, list[int]]:
         session = self._session
         if session is None:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
@@ -246,16 +274,31 @@ class StoragedExpertSource:
         self._sync_device()  # this Acquire frees every other layer's slots: no queued work may read them
         stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None
         try:
-            slots = self._acquire_slots(session, layer, experts, stream)
+            return session, self._acquire_slots(session, layer, experts, stream)
         except NotFound as exc:
             raise StoragedSessionLostError(exc.code, f"{exc.details}; storaged at {self.socket_path} "
                                            "probably restarted", rpc=exc.rpc) from exc
-        layer_layout = session.layers[layer]
-        objects = []
-        for expert, slot in zip(experts, slots, strict=True):
-            view = session.slot_bytes(slot, layer_layout.object(expert).object_bytes)  # uint8 [object bytes]
-            objects.append(view if view.device == self.device else view.to(self.device))
-        return objects
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Hint that `experts` of `layer` will be wanted soon (lookahead); does not wait."""
+        session = self._session
+        if session is not None and experts:
+            session.prefetch(layer, experts)
+
+    # --- reading the slot map on the device (inference.engine.decode_graph) ----------------------
+
+    def device_lookup(self):
+        """(slot map [rows, experts] int32, row of each MoE layer, arena slots uint8, slot bytes,
+        step fence), or None when the daemon publishes no map, offers no data plane, or keeps its
+        arena on another device than the model's."""
+        session = self._session
+        if session is None or session.fence is None:
+            return None
+        slot_map = session.slot_map()
+        if slot_map is None or slot_map.device != self.device:
+            return None
+        rows = {layer: session.slot_map_view.row(layer) for layer in session.slot_map_view.layers}
+        return slot_map, rows, session.arena.slots(), session.slot_size, session.fence
 
     def _acquire_slots(self, session: Session, layer: int, experts: Sequence[int], stream) -> list[int]:
         # The caller has synchronized the device: no queued work reads another layer's views.

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
-from inference.experts import (ExpertSource, bind_experts, resolve_compute, routed_parameter_names,
-                               select_expertpack)
+from inference.experts import (ExpertSource, attach_lookahead, bind_experts, resolve_compute,
+                               routed_parameter_names, select_expertpack)
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
 from packtools.arch.routing import check_routing
@@ -78,13 +78,18 @@ def _load_tokenizer(bundle: Bundle):
 
 
 def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-               expert_source: ExpertSource | ExpertSourceFactory, experts_compute: str = "auto") -> LoadedModel:
+               expert_source: ExpertSource | ExpertSourceFactory, experts_compute: str = "auto",
+               lookahead: int = 0) -> LoadedModel:
     """Open the bundle and return a model ready for forward/generate on `device`.
 
     Non-routed weights are cast to `dtype` (float32 where the model keeps them in float32);
     routed experts stay on the meta device and are computed from `expert_source`'s objects, by the
     fused kernels or the exact path (`experts_compute`: see inference.experts.resolve_compute).
+    `lookahead` > 0: each MoE layer hints the next layer's likely experts (that many per token)
+    to the source (inference.experts.lookahead); the source must take prefetch hints.
     """
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"lookahead must be a non-negative number of experts per token, got {lookahead!r}")
     device = _resolve_device(device)
     fused_kernels = resolve_compute(experts_compute, device, dtype)
     bundle = open_bundle(bundle_dir)
@@ -97,9 +102,11 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
         tokenizer = _load_tokenizer(bundle)
         source = _resolve_source(expert_source, bundle, device)
         experts = bundle.experts
-        bind_experts(model, source, moe_layers=list(experts["moe_layers"]), num_experts=int(experts["num_experts"]),
+        bindings = bind_experts(model, source, moe_layers=list(experts["moe_layers"]), num_experts=int(experts["num_experts"]),
                      orientation=experts.get("orientation", "out_in"), gate_up_layout=experts.get("gate_up", "concat"),
                      fused_kernels=fused_kernels)
+        if lookahead:
+            attach_lookahead(model, bindings, source, per_token=lookahead)
         select_expertpack(model)
     except BaseException:
         bundle.close()

@@ -31,7 +31,8 @@ def _load_in_background(args: argparse.Namespace, metrics: EngineMetrics) -> con
 
     def load() -> None:
         try:
-            future.set_result(Engine.from_loaded(load_from_args(args), metrics=metrics))
+            future.set_result(Engine.from_loaded(load_from_args(args), metrics=metrics,
+                                                 static_cache_len=args.static_cache_len))
         except BaseException as exc:  # reported by the serving loop
             future.set_exception(exc)
 

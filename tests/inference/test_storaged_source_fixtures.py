@@ -114,6 +114,16 @@ class StoragedDaemon:
                 self.stop()
                 raise RuntimeError(f"storaged did not start:\n{self.output()}") from None
 
+    def __enter__(self) -> StoragedDaemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def info(self):
+        with StorageClient(str(self.socket)) as client:
+            return client.info()
+
     def output(self) -> str:
         log = self.directory / "storaged.log"
         return log.read_text() if log.exists() else "(log removed by stop())"

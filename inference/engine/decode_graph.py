@@ -1,0 +1,215 @@
+"""Decode steps with no host round trip per layer: a static KV cache, experts found through
+storaged's slot map on the device, the whole step captured once as a CUDA graph.
+
+    decoder = StaticDecoder.create(model, source, max_len=4096)    # None: not possible, see why_not
+    logits = decoder.start(prompt_ids)                             # prefill (eager, acquires experts)
+    logits = decoder.step(token)                                   # one decode step
+
+A step runs optimistically: every MoE layer looks its experts up in the slot map (inference.
+experts.forward's device lookup) and counts the absent ones. After the step, one host sync reads
+that count with the logits; when an expert was absent, the step is undone (the static cache's
+write position moved back: the same position is simply written again) and run once more on the
+acquire path, which loads what was missing. The session's step fence brackets the device work,
+so storaged never reuses a slot the step may read.
+
+Where it applies (`why_not` says otherwise): a CUDA device (elsewhere the same step runs
+uncaptured, which tests use on the CPU), the fused experts path on every MoE layer, a storaged
+source that publishes its slot map on the model's device, a model transformers marks as
+capturable whose every cache layer is a plain static attention layer (so a step can be undone
+by moving the write position back: not sliding-window, linear-attention or compressed layers,
+e.g. gpt_oss, kimi_linear, deepseek_v4), and prompts that fit the static cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from inference.experts.binding import experts_modules
+from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding
+
+log = logging.getLogger(__name__)
+
+
+def why_not(model: torch.nn.Module, source, device: torch.device) -> str | None:
+    """Why `model` cannot decode with StaticDecoder on `device`, or None when it can."""
+    bindings = _bindings(model)
+    if not bindings:
+        return "the model has no expertpack experts modules"
+    if not all(b.use_fused_kernels for b in bindings.values()):
+        return "the experts are not on the fused path (CPU, or experts_compute='exact')"
+    lookup = getattr(source, "device_lookup", None)
+    if lookup is None or lookup() is None:
+        return "the expert source publishes no slot map on the model's device (storaged with a data plane needed)"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"transformers does not mark {type(model).__name__} as capturable"
+    layer_types = {type(layer).__name__ for layer in StaticCache(config=model.config, max_cache_len=8).layers}
+    if layer_types != {StaticLayer.__name__}:
+        return f"its cache has {sorted(layer_types)} layers; a step can be undone only with plain static ones"
+    return None
+
+
+def _bindings(model: torch.nn.Module) -> dict[int, ExpertsBinding]:
+    found = {}
+    for layer, (_, module) in experts_modules(model).items():
+        binding = getattr(module, BINDING_ATTRIBUTE, None)
+        if binding is not None:
+            found[layer] = binding
+    return found
+
+
+class StaticDecoder:
+    def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool):
+        self.model = model
+        self.source = source
+        self.max_len = max_len
+        self.cache_keyword = cache_keyword
+        self.capture = capture
+        self.device = model.get_input_embeddings().weight.device
+        self.bindings = _bindings(model)
+        slot_map, rows, arena, stride, fence = source.device_lookup()
+        self.fence = fence
+        self.misses = torch.zeros(1, dtype=torch.int32, device=self.device)  # absent experts in the step
+        self._lookups = {layer: DeviceLookup(slot_map[rows[layer]], arena, stride, self.misses)
+                         for layer in self.bindings}
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # the step's token
+        self.positions = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # and its position
+        self._kv_index = torch.arange(max_len, device=self.device).view(1, 1, 1, max_len)
+        self.mask = torch.zeros((1, 1, 1, max_len), dtype=torch.bool, device=self.device)  # keys it may see
+        self.length = 0  # tokens in the cache
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_logits: torch.Tensor | None = None
+        self.lookup_enabled = True  # off once the daemon revoked our fence: acquire path only
+        self.steps = self.lookup_steps = self.redone_steps = 0
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, source, *, max_len: int, cache_keyword: str,
+               capture: bool | None = None) -> StaticDecoder | None:
+        device = model.get_input_embeddings().weight.device
+        reason = why_not(model, source, device)
+        if reason is not None:
+            log.info("decode steps run eagerly: %s", reason)
+            return None
+        return cls(model, source, max_len, cache_keyword=cache_keyword,
+                   capture=device.type == "cuda" if capture is None else capture)
+
+    # --- the model call -------------------------------------------------------------------------
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **{self.cache_keyword: self.cache})
+        return out.logits[0, -1]  # [V]
+
+    def _step_call(self) -> torch.Tensor:
+        """The decode step on the static buffers: all device work, no host sync."""
+        torch.le(self._kv_index, self.positions.view(1, 1, 1, 1), out=self.mask)
+        self.misses.zero_()
+        return self._call(self.ids, self.positions, self.mask)
+
+    def _set_lookup(self, on: bool) -> None:
+        for layer, binding in self.bindings.items():
+            binding.lookup = self._lookups[layer] if on else None
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def fits(self, prompt_len: int, max_tokens: int) -> bool:
+        return prompt_len + max_tokens <= self.max_len
+
+    def start(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Reset the cache and prefill it (acquire path); logits [V] of the last prompt token."""
+        if self.capture and self._graph is None:
+            self._capture()
+        self.cache.reset()
+        count = len(prompt_ids)
+        if not 0 < count < self.max_len:
+            raise ValueError(f"a prompt of {count} tokens does not fit a static cache of {self.max_len}")
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
+        positions = torch.arange(count, device=self.device).view(1, count)
+        mask = self._kv_index <= positions.view(1, 1, count, 1)  # [1, 1, P, L] causal over the cache
+        self.length = count
+        return self._call(ids, positions, mask)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Logits [V] after feeding `token` at the next position; reads experts via the slot map,
+        and runs the step again on the acquire path if one of them was absent."""
+        if self.length >= self.max_len:
+            raise ValueError(f"the static cache of {self.max_len} tokens is full")
+        self.ids.fill_(token)
+        self.positions.fill_(self.length)
+        self.steps += 1
+        logits = self._lookup_step() if self.lookup_enabled else None
+        if logits is None:
+            self._set_lookup(False)
+            logits = self._step_call()  # acquire path: loads whatever is absent
+        self.length += 1
+        return logits
+
+    def _lookup_step(self) -> torch.Tensor | None:
+        from storaged.client.dataplane import FenceRevoked
+
+        try:
+            self.fence.begin()
+        except FenceRevoked:
+            self._revoked()
+            return None
+        try:
+            if self._graph is not None:
+                self._graph.replay()
+                logits = self._graph_logits
+            else:
+                self._set_lookup(True)
+                try:
+                    logits = self._step_call()
+                finally:
+                    self._set_lookup(False)
+            absent = int(self.misses.item())  # the step's one host sync (its work has completed)
+        finally:
+            try:
+                self.fence.end()
+            except FenceRevoked:
+                self._revoked()
+                absent = -1
+        if absent:
+            for layer in self.cache.layers:  # undo: the step's position is written again
+                layer.cumulative_length.sub_(1)
+            self.redone_steps += 1
+            return None
+        self.lookup_steps += 1
+        return logits
+
+    def _revoked(self) -> None:
+        log.warning("storaged revoked this session's step fence; decode steps use the acquire path from now on")
+        self.lookup_enabled = False
+
+    # --- capture --------------------------------------------------------------------------------
+
+    def _capture(self) -> None:
+        """Record one decode step as a CUDA graph: warm it up (kernels compiled, cache allocated)
+        on a side stream, capture it, then leave the cache empty."""
+        self.cache.reset()
+        self._call(torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                   torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                   torch.ones((1, 1, 1, self.max_len), dtype=torch.bool, device=self.device))  # allocates the cache
+        self.positions.fill_(1)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        self._set_lookup(True)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    with self.fence.step():
+                        self._step_call()
+                        side.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._step_call()
+        finally:
+            self._set_lookup(False)
+        self._graph, self._graph_logits = graph, logits
+        self.cache.reset()
+        log.info("decode step captured as a CUDA graph (static cache of %d tokens)", self.max_len)

@@ -1,0 +1,100 @@
+"""StaticDecoder: decode steps that find experts through storaged's slot map, against a real daemon.
+
+On the CPU the step runs uncaptured (the fused kernels under triton's interpreter) with exactly
+the logic the CUDA graph replays: the slot-map lookup, the miss count, the undo of a step that
+met an absent expert and its rerun on the acquire path, the step fence. The captured variant is
+tested on the GPU (marked gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_storaged_source_fixtures import StoragedDaemon, cases_dir, qwen_case  # noqa: F401 (fixtures)
+
+from inference.engine.decode_graph import StaticDecoder, why_not
+from inference.engine.generate import ModelRunner
+from inference.engine.params import SamplingParams
+from inference.experts import LocalPackSource
+from inference.experts.storaged_source import StoragedExpertSource
+from inference.model import load_model
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = [3, 17, 42, 99, 7, 250, 11]
+TOKENS = 8
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _load(bundle, source_factory):
+    return load_model(bundle, device=DEVICE, dtype=torch.bfloat16, expert_source=source_factory,
+                      experts_compute="fused")
+
+
+def _greedy(runner: ModelRunner) -> list[int]:
+    finished = runner.run(PROMPT, SamplingParams(max_tokens=TOKENS, temperature=0.0), emit=lambda _: None)
+    return list(finished.token_ids)
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(qwen_case):
+    with _load(qwen_case.bundle, LocalPackSource) as loaded:
+        return _greedy(ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_bytes, expect_redone", [("64MiB", False), ("8", True)],
+                         ids=["every expert fits", "one layer's experts fit"])
+def test_static_decoder_greedy_tokens_equal_the_eager_decode(qwen_case, eager_tokens, cache_bytes, expect_redone):
+    slots = None if cache_bytes == "64MiB" else int(cache_bytes)
+    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB") as _probe:
+        slot_bytes = _probe.info().slot_bytes
+    daemon = StoragedDaemon({"m": qwen_case.bundle},
+                            vram_cache_bytes="64MiB" if slots is None else slots * slot_bytes)
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=64)
+            decoder = runner.decoder
+            assert isinstance(decoder, StaticDecoder) and decoder.capture == (DEVICE == "cuda")
+            first = _greedy(runner)
+            redone_first = decoder.redone_steps
+            second = _greedy(runner)  # a second request reuses the decoder (cache reset)
+        stats = daemon.stats()
+    finally:
+        daemon.stop()
+    assert first == eager_tokens and second == eager_tokens
+    assert decoder.steps == 2 * (TOKENS - 1)
+    assert decoder.lookup_steps + decoder.redone_steps == decoder.steps
+    if expect_redone:  # experts evicted between steps: found absent, the step undone and redone
+        assert decoder.redone_steps > 0 and stats.tiers["vram"].evictions > 0
+    else:  # the same request again: every expert it routes to is resident, every step a lookup
+        assert decoder.redone_steps == redone_first
+
+
+def test_requests_longer_than_the_static_cache_decode_eagerly(qwen_case, eager_tokens):
+    daemon = StoragedDaemon({"m": qwen_case.bundle})
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=len(PROMPT) + TOKENS - 1)
+            assert _greedy(runner) == eager_tokens
+            assert runner.decoder.steps == 0
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("compute, source, reason", [
+    ("exact", "storaged", "not on the fused path"),
+    ("fused", "local", "publishes no slot map"),
+])
+def test_why_not_names_the_reason(qwen_case, compute, source, reason):
+    daemon = StoragedDaemon({"m": qwen_case.bundle})
+    try:
+        factory = (LocalPackSource if source == "local"
+                   else lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d))
+        with load_model(qwen_case.bundle, device=DEVICE, dtype=torch.bfloat16, expert_source=factory,
+                        experts_compute=compute) as loaded:
+            assert reason in why_not(loaded.model, loaded.expert_source, torch.device(DEVICE))
+    finally:
+        daemon.stop()
