@@ -51,14 +51,15 @@ if [[ "$e2e_args" != *" --contenders "* || "$e2e_args" == *" llamacpp "* ]]; the
     export EXPERTPACK_LLAMACPP_BUILD_STATUS="$WORKDIR/runs/llamacpp-build.status"
     rm -f "$EXPERTPACK_LLAMACPP_BUILD_STATUS"
     export EXPERTPACK_REQUIRE_LLAMACPP=${RUN_ALL_REQUIRE_LLAMACPP:-1}
-    llamacpp_out=()
-    [[ -n "${RUN_ALL_LLAMACPP_OUT:-}" ]] && llamacpp_out=(--out "$RUN_ALL_LLAMACPP_OUT")
+    llamacpp_args=()
+    [[ "$DEVICE" == cpu ]] && llamacpp_args+=(--cpu)
+    [[ -n "${RUN_ALL_LLAMACPP_OUT:-}" ]] && llamacpp_args+=(--out "$RUN_ALL_LLAMACPP_OUT")
     # its own session (so the compilers can be stopped with it); the status file appears only once
     # build.sh has ended: bench/e2e waits for it
     S="$EXPERTPACK_LLAMACPP_BUILD_STATUS" setsid bash -c \
         'bench/llamacpp/build.sh "$@" > /dev/null 2>&1; echo $? > "$S.partial"; mv "$S.partial" "$S"' \
         build --nice 19 --jobs "${RUN_ALL_LLAMACPP_JOBS:-8}" --log "$WORKDIR/runs/llamacpp-build.log" \
-        "${llamacpp_out[@]}" &
+        "${llamacpp_args[@]}" &
     llamacpp_build=$!
     echo "=== llamacpp: build.sh started in the background (pid $llamacpp_build)"
 fi

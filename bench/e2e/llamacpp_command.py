@@ -86,6 +86,8 @@ def build_status_problem() -> str | None:
 def binary_summary(binary: Path) -> str:
     """One line on the binary for the results' statements: missing, or its build.sh BUILD_INFO."""
     if not binary.is_file():
+        if os.environ.get(BUILD_STATUS_ENV) and not Path(os.environ[BUILD_STATUS_ENV]).exists():
+            return "not built yet: bench/run_all.sh is building it in the background"
         return "missing: the llamacpp contender is reported as not run"
     try:
         info = dict(line.split("=", 1) for line in (binary.parent / BUILD_INFO).read_text().splitlines()
@@ -206,7 +208,8 @@ def parse_test(record: dict) -> LlamaBenchTest:
     if missing:
         raise LlamaBenchOutputError(f"llama-bench test record lacks {', '.join(missing)}")
     try:
-        test = LlamaBenchTest(**{k: int(record[k]) for k in _INT_FIELDS}, **{k: float(record[k]) for k in _FLOAT_FIELDS},
+        test = LlamaBenchTest(**{k: int(record[k]) for k in _INT_FIELDS},
+                              **{k: float(record[k]) for k in _FLOAT_FIELDS},
                               **{k: str(record[k]) for k in _STR_FIELDS},
                               samples_ns=tuple(int(s) for s in record["samples_ns"]))
     except (TypeError, ValueError) as exc:

@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.e2e.llamacpp_command import (LlamaBenchOutputError, LlamaBenchPlan, LlamaBenchTest, build_flavour, build_status_problem,
-                                        llama_bench_path, llamacpp_required, parse_test)
+from bench.e2e.llamacpp_command import (LlamaBenchOutputError, LlamaBenchPlan, LlamaBenchTest, build_flavour,
+                                        build_status_problem, llama_bench_path, llamacpp_required, parse_test)
 from bench.e2e.measure import block_device_stat, device_read_bytes, drop_page_cache, process_read_bytes
 from bench.e2e.prepare import PreparedModel
 
@@ -53,7 +53,8 @@ def binary_problem(binary: Path, device: str) -> str | None:
         return f"{binary} is not executable"
     flavour = build_flavour(binary)
     if device.startswith("cuda") and flavour == "cpu":
-        return f"{binary} is a CPU build (its BUILD_INFO says so): a GPU run needs bench/llamacpp/build.sh without --cpu"
+        return (f"{binary} is a CPU build (its BUILD_INFO says so): a GPU run needs bench/llamacpp/build.sh "
+                "without --cpu")
     return None
 
 
@@ -76,10 +77,12 @@ class LlamaBenchProcess:
         self.run_starts: dict[int, dict] = {}  # test index (1-based) -> reads when its timed run began
         self.tests: list[tuple[LlamaBenchTest, dict]] = []  # records in arrival order, with reads at arrival
         self.load_reads: dict | None = None  # from the start to the first warm-up: model load
+        self.warm_up_reads: dict | None = None  # the first test's warm-up, up to its timed run
+        self._warm_up_start: dict | None = None
         self.output_errors: list[str] = []
         self._arrivals: list[float] = []  # perf_counter() when each record arrived
         self._lock = threading.Lock()
-        self._loaded = False
+        self._on_loaded_thread: threading.Thread | None = None
 
     def run(self, deadline: float) -> tuple[int | str, str | None]:
         """(exit status or how it was stopped, why it was stopped early or None)."""
@@ -101,8 +104,9 @@ class LlamaBenchProcess:
                     break
                 time.sleep(0.05)
             status = self._process.wait()
-            for reader in readers:
-                reader.join(timeout=STOP_GRACE_SECONDS)
+            for thread in (*readers, self._on_loaded_thread):
+                if thread is not None:
+                    thread.join(timeout=STOP_GRACE_SECONDS)
         return ("stopped" if stopped else status), stopped
 
     def _reason_to_stop(self, deadline: float) -> str | None:
@@ -136,14 +140,17 @@ class LlamaBenchProcess:
             if match:
                 index, event = int(match.group(1)), match.group(3)
                 reads = _reads(self._process.pid, self.device_stat)
-                if not self._loaded and ("warmup" in event or " run " in event):
-                    self._loaded = True
-                    self.load_reads = _delta(self._start, reads)
-                    self.on_loaded()
-                    reads = _reads(self._process.pid, self.device_stat)
+                if self._on_loaded_thread is None and ("warmup" in event or " run " in event):
+                    self.load_reads, self._warm_up_start = _delta(self._start, reads), reads
+                    # its own thread: lowering memory.max blocks while the kernel reclaims, and the
+                    # next progress lines must be stamped when they come
+                    self._on_loaded_thread = threading.Thread(target=self.on_loaded, daemon=True)
+                    self._on_loaded_thread.start()
                 if event.startswith(("prompt run", "generation run")):
                     with self._lock:
                         self.run_starts[index] = reads
+                        if self.warm_up_reads is None:
+                            self.warm_up_reads = _delta(self._warm_up_start, reads)
             with self._lock:
                 self._log.write(line)
 
@@ -173,7 +180,8 @@ def run_llamacpp_budget(name: str, model: PreparedModel, fraction: float, spec: 
                         share: float) -> dict:
     """bench.e2e.runner's per-budget step for the llama.cpp contender: the same result record as the
     others (prefill_tok_s, decode_tok_s, tokens, ssd_bytes_per_token, reads, RAM limit), plus
-    `llamacpp` (command, placement, llama-bench's own per-test timings for the profiler)."""
+    `llamacpp` (command, placement, llama-bench's own per-test timings for the profiler). `share`
+    goes unused: llama-bench's tests are sized up front and stopped at `deadline`."""
     from bench.e2e.contenders import budget_bytes
     from bench.e2e.runner import _tighten_ram_limit, setup_ram_limit_bytes
 
@@ -189,18 +197,25 @@ def run_llamacpp_budget(name: str, model: PreparedModel, fraction: float, spec: 
     threads = spec.get("torch_threads") or len(os.sched_getaffinity(0))
     plan = LlamaBenchPlan(binary, model.gguf_path, fraction, budget, model.shape.expert_bytes * model.shape.experts,
                           model.moe_layers, model.shape.dense_layers, spec["prompt_len"], spec["tokens"], threads)
-    notes.append(plan.describe() + f"; {threads} threads, flash attention auto, batch sizes llama-bench's defaults")
+    notes.append(plan.describe() + f"; -t {threads}, flash attention auto, batch sizes llama-bench's defaults")
     if cgroup is not None:
         cgroup.set_limit(setup_ram_limit_bytes(spec["ram_overhead_bytes"], budget))
     result["page_cache_dropped"] = drop_page_cache()
 
+    limit_errors = []
+
     def on_loaded() -> None:
         if cgroup is not None:  # llama.cpp has no cache of its own in host RAM: the page cache gets the budget
-            _tighten_ram_limit(cgroup, budget, 0, result)
+            try:
+                _tighten_ram_limit(cgroup, budget, 0, result)
+            except (OSError, ValueError) as exc:
+                limit_errors.append(exc)
 
     log_path = Path(spec["workdir"]) / f"llamacpp-{model.shape.arch}-{fraction}-{os.getpid()}.log"
     bench = LlamaBenchProcess(plan, log_path, block_device_stat(model.gguf_path), on_loaded)
     status, stopped = bench.run(deadline)
+    if limit_errors:  # its figures would not be under the budget's RAM limit
+        raise RuntimeError(f"memory.max of {cgroup.path} not tightened for the timed runs: {limit_errors[0]}")
     if cgroup is not None:
         result["ram_peak_bytes"] = cgroup.peak_bytes()
     return _figures(result, plan, bench, status, stopped, spec["device"])
@@ -231,15 +246,18 @@ def _figures(result: dict, plan: LlamaBenchPlan, bench: LlamaBenchProcess, statu
     if measured is None:
         notes.append("SSD bytes not measurable here: neither /proc/<pid>/io nor the block device stats")
     if decode_test.n_gen < plan.tokens:
-        notes.append(f"decoded {decode_test.n_gen} of {plan.tokens} tokens (llama-bench tg{decode_test.n_gen}): "
-                     f"stopped, {stopped or 'the full test did not finish'}")
+        why = f"stopped, {stopped}" if stopped else f"llama-bench exited ({status}) before tg{plan.tokens} finished"
+        notes.append(f"decoded {decode_test.n_gen} of {plan.tokens} tokens (llama-bench tg{decode_test.n_gen}): {why}")
+    elif status != 0 and not stopped:
+        notes.append(f"llama-bench exited with status {status} after its tests")
     notes.append(f"llama-bench decodes from an empty context (its tg test), the others after the {plan.prompt_len}-"
                  "token prompt; hit rate: n/a (no cache statistics for this contender)")
     return result | {
         "prefill_tok_s": tests[prompt].avg_ts, "decode_tok_s": decode_test.avg_ts, "tokens": decode_test.n_gen,
-        "prompt_len": plan.prompt_len, "ssd_bytes_per_token": None if measured is None else measured / decode_test.n_gen,
+        "prompt_len": plan.prompt_len,
+        "ssd_bytes_per_token": None if measured is None else measured / decode_test.n_gen,
         "ssd_bytes_source": source, "decode_reads": decode_reads, "prefill_reads": bench.test_reads(prompt),
-        "warm_up_reads": bench.load_reads, "hit_rate": None,
+        "warm_up_reads": bench.warm_up_reads, "load_reads": bench.load_reads, "hit_rate": None,
         "llamacpp": {
             "command": plan.command(), "n_cpu_moe": plan.n_cpu_moe, "moe_layers_in_vram": plan.layers_in_vram,
             "moe_layers": plan.moe_layers, "layer_expert_bytes": plan.layer_expert_bytes, "threads": plan.threads,

@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "real text (greedy decoding of random weights repeats one token and its experts)")
     parser.add_argument("--ram-overhead-gib", type=float, default=None,
                         help="host RAM allowed beyond the budget for the process itself (default 8 cuda, 3 cpu)")
-    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's threads on the CPU device, and llama-bench's -t (default: the cores available)")
     parser.add_argument("--machine-json", type=Path, default=None,
                         help="bench/storaged_bench.py's JSON: machine limits and storaged-alone figures")
     parser.add_argument("--keep", action="store_true", help="keep the prepared models")

@@ -81,7 +81,8 @@ def ratio_lines(runs: list[dict]) -> list[str]:
     if not rows:
         return []
     return ["", "## Decode speed ratios (storaged ÷ contender, same shape and budget)", "",
-            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | ÷ resident (100%) |",
+            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | "
+            "÷ resident (100%) |",
             "|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs)]
 
 

@@ -90,3 +90,22 @@ def test_missing_binary_is_reported_as_not_run_with_its_reason(disk_dir):
         runs = json.loads((out / "results.json").read_text())["e2e"]["runs"]
         assert len(runs) == 1 and "llama-bench not found at" in runs[0][key], runs
         assert f"{disk_dir / 'no-llama-bench'}" in runs[0][key]
+
+
+@pytest.mark.parametrize("key", ["qwen3", "deepseek"])
+def test_layer_expert_bytes_are_the_ggufs(disk_dir, key):
+    """--n-cpu-moe divides the budget by one layer's routed experts as the GGUF stores them."""
+    from gguf import GGUFReader
+
+    from bench.e2e.prepare import prepare_model
+    from bench.e2e.shapes import TINY_SHAPES
+
+    shape = TINY_SHAPES[key]
+    model = prepare_model(shape, 2 + shape.dense_layers, disk_dir, with_bf16_checkpoint=False)
+    per_layer = {}
+    for tensor in GGUFReader(model.gguf_path).tensors:
+        if "_exps." in tensor.name:
+            layer = int(tensor.name.split(".")[1])
+            per_layer[layer] = per_layer.get(layer, 0) + int(tensor.n_bytes)
+    assert sorted(per_layer) == list(range(shape.dense_layers, 2 + shape.dense_layers))
+    assert set(per_layer.values()) == {shape.expert_bytes * shape.experts}
