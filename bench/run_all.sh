@@ -5,6 +5,12 @@
 #       1/4/16, pinned H2D GB/s, storaged miss-path GB/s and its ratio to raw, acquire p50/p99);
 #   (3) the end-to-end matrix, bench/e2e/main.py, in what is left of the budget (tokens cut short for
 #       slow contenders, stated per run).
+# When the llamacpp contender is selected (the default), bench/llamacpp/build.sh starts right after (1),
+# in the background at nice 19 (RUN_ALL_LLAMACPP_JOBS jobs, default 8 of the cores): it reuses a carried
+# .llamacpp/bin or .llamacpp/pack, else builds .llamacpp/llama.cpp-src.tar.gz (~4 minutes on 16 cores;
+# the first contenders run meanwhile, and bench/e2e waits for it before the llamacpp contender).
+# RUN_ALL_LLAMACPP_OUT=dir also writes the binaries there, compressed and split, to carry them next time.
+# A missing or failed llama-bench is an error of the run (RUN_ALL_REQUIRE_LLAMACPP=0: a skipped contender).
 # Writes $OUT/results.json and $OUT/results.md (plus logs). Exit status non-zero if a step failed.
 #
 #   OUT=/some/dir bench/run_all.sh            RUN_ALL_BUDGET_S=540 caps the total
@@ -38,6 +44,26 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
       'gguf', __import__('importlib.metadata').metadata.version('gguf'))" >> "$OUT/machine.txt" 2>&1
 echo "=== install: $((SECONDS - started)) s"
 
+# llama.cpp, unless --contenders leaves it out: built in the background while (2) and (3) run
+e2e_args=" ${RUN_ALL_E2E_ARGS:-} "
+if [[ "$e2e_args" != *" --contenders "* || "$e2e_args" == *" llamacpp "* ]]; then
+    mkdir -p "$WORKDIR/runs"
+    export EXPERTPACK_LLAMACPP_BUILD_STATUS="$WORKDIR/runs/llamacpp-build.status"
+    rm -f "$EXPERTPACK_LLAMACPP_BUILD_STATUS"
+    export EXPERTPACK_REQUIRE_LLAMACPP=${RUN_ALL_REQUIRE_LLAMACPP:-1}
+    llamacpp_args=()
+    [[ "$DEVICE" == cpu ]] && llamacpp_args+=(--cpu)
+    [[ -n "${RUN_ALL_LLAMACPP_OUT:-}" ]] && llamacpp_args+=(--out "$RUN_ALL_LLAMACPP_OUT")
+    # its own session (so the compilers can be stopped with it); the status file appears only once
+    # build.sh has ended: bench/e2e waits for it
+    S="$EXPERTPACK_LLAMACPP_BUILD_STATUS" setsid bash -c \
+        'bench/llamacpp/build.sh "$@" > /dev/null 2>&1; echo $? > "$S.partial"; mv "$S.partial" "$S"' \
+        build --nice 19 --jobs "${RUN_ALL_LLAMACPP_JOBS:-8}" --log "$WORKDIR/runs/llamacpp-build.log" \
+        "${llamacpp_args[@]}" &
+    llamacpp_build=$!
+    echo "=== llamacpp: build.sh started in the background (pid $llamacpp_build)"
+fi
+
 # (2) machine limits + storaged alone: a 4 GiB pack of 13 MiB objects, 3 s per throughput run;
 #     RUN_ALL_MACHINE_JSON=file reuses an earlier run's figures (one shape per call, same machine kind)
 if [[ -n "${RUN_ALL_MACHINE_JSON:-}" ]]; then
@@ -62,6 +88,11 @@ else
         --workdir "$WORKDIR" --seconds "$e2e_seconds" --machine-json "$OUT/storaged_bench.json" \
         ${RUN_ALL_E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
     ((PIPESTATUS[0] != 0)) && failed=1
+fi
+if [[ -n "${llamacpp_build:-}" ]]; then  # never leave it running past the call
+    kill -- "-$llamacpp_build" 2>/dev/null && echo "=== llamacpp: build stopped unfinished"
+    wait "$llamacpp_build" 2>/dev/null
+    [[ "$(cat "$EXPERTPACK_LLAMACPP_BUILD_STATUS" 2>/dev/null)" == 0 ]] || echo "=== llamacpp: build.sh did not succeed (see $WORKDIR/runs/llamacpp-build.log, in run-logs.tgz)"
 fi
 # one archive: the device tool brings back at most 8 files
 # (logs only: runs/ also holds accelerate's offload folder, gigabytes)

@@ -1,4 +1,4 @@
-"""The five contenders, each built for one VRAM budget inside the benchmark's child process:
+"""The six contenders, each built for one VRAM budget inside the benchmark's child process:
   resident          the model fully resident in transformers (experts dequantized to the run dtype once,
                     computed by transformers' own experts forward)
   accelerate        HF accelerate disk offload: from_pretrained(device_map, max_memory, offload_folder)
@@ -7,6 +7,9 @@
                     budget, inside the same RAM limit as every contender) through StoragedExpertSource
   storaged_serial   storaged with io_parallelism 1 and no host tier: the published SGLang design's
                     serial miss path (no prefetch: the client issues none in either mode yet)
+  llamacpp          llama.cpp's llama-bench on the same GGUF, -ngl 99 plus --n-cpu-moe for the layers whose
+                    experts do not fit the budget (bench.e2e.llamacpp_command); not a torch model: the
+                    runner hands it to bench.e2e.llamacpp_run
 A built contender is the model plus what the measurement needs from it (processes whose reads
 count, cache statistics, and what to close)."""
 
@@ -20,7 +23,7 @@ import torch
 
 from bench.e2e.prepare import PreparedModel
 
-CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial")
+CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial", "llamacpp")
 STORAGED_MODEL = "bench"
 IO_PARALLELISM = {"storaged": 16, "storaged_serial": 1}
 HOST_TIER = {"storaged": True, "storaged_serial": False}  # host tier bytes = the VRAM budget's
@@ -154,6 +157,8 @@ def build_contender(name: str, model: PreparedModel, fraction: float, device: to
     if name in IO_PARALLELISM:
         return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
                          host_tier=HOST_TIER[name])
+    if name == "llamacpp":
+        raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}
     if name not in builders:
         raise ValueError(f"unknown contender {name!r}; known: {CONTENDERS}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.e2e.contenders import CONTENDERS  # noqa: E402
+from bench.e2e.llamacpp_command import BIN_ENV, binary_summary, llama_bench_path, wait_for_build  # noqa: E402
 from bench.e2e.measure import cgroup_v2_problem  # noqa: E402
 from bench.e2e.prepare import prepare_model, remove_model  # noqa: E402
 from bench.e2e.report import write_results  # noqa: E402
@@ -30,10 +32,11 @@ SAMPLE_SEED = 1234
 PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
 # time shares: accelerate's disk offload is the slowest per token, resident the fastest
 # (storaged gets a full share: with balanced routing its low budgets are disk-bound too)
-CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 1.0, "storaged_serial": 1.0}
+CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 1.0, "storaged_serial": 1.0,
+                    "llamacpp": 1.0}
 # run order: a contender's share is of the time left, so the slowest goes last and gets what the
 # faster ones did not use
-RUN_ORDER = ("resident", "storaged", "storaged_serial", "gguf_mmap", "accelerate")
+RUN_ORDER = ("resident", "storaged", "storaged_serial", "llamacpp", "gguf_mmap", "accelerate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,10 +67,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "real text (greedy decoding of random weights repeats one token and its experts)")
     parser.add_argument("--ram-overhead-gib", type=float, default=None,
                         help="host RAM allowed beyond the budget for the process itself (default 8 cuda, 3 cpu)")
-    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's threads on the CPU device, and llama-bench's -t (default: the cores available)")
     parser.add_argument("--machine-json", type=Path, default=None,
                         help="bench/storaged_bench.py's JSON: machine limits and storaged-alone figures")
     parser.add_argument("--keep", action="store_true", help="keep the prepared models")
+    parser.add_argument("--llamacpp-bin", type=Path, default=None,
+                        help=f"llama-bench for the llamacpp contender (default ${BIN_ENV}, else "
+                             ".llamacpp/bin/llama-bench, where bench/llamacpp/build.sh puts it)")
     return parser.parse_args(argv)
 
 
@@ -119,6 +126,9 @@ def run(args: argparse.Namespace, results: dict) -> None:
         "every budget is a cold start: page cache dropped, fresh daemon / model; one untimed 2-token forward warms "
         "kernels first",
     ]
+    if "llamacpp" in args.contenders:
+        binary = llama_bench_path()
+        results["statements"].append(f"llamacpp: {binary} ({binary_summary(binary)})")
     contenders = sorted(args.contenders, key=RUN_ORDER.index)
     for n, shape in enumerate(shapes):
         if _terminated:
@@ -135,6 +145,10 @@ def run(args: argparse.Namespace, results: dict) -> None:
         write_results(results, args.out)
         try:
             for n_done, contender in enumerate(contenders):
+                if contender == "llamacpp" and not _terminated:  # run_all.sh may still be building it
+                    build_problem = wait_for_build(shape_deadline - KILL_GRACE_SECONDS - 10)
+                    if build_problem:
+                        results["warnings"].append(f"{shape.name} llamacpp: {build_problem}")
                 left_for_shape = shape_deadline - time.perf_counter()
                 if left_for_shape < 10 or _terminated:
                     results["errors"].append(f"{shape.name} {contender}: not run, the time budget is spent")
@@ -174,6 +188,10 @@ def _raise_time_budget_exceeded(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.llamacpp_bin is not None:
+        if "llamacpp" not in args.contenders:
+            raise SystemExit("--llamacpp-bin given but the llamacpp contender is not among --contenders")
+        os.environ[BIN_ENV] = str(llama_bench_path(args.llamacpp_bin))  # the runner's children inherit it
     signal.signal(signal.SIGTERM, _raise_time_budget_exceeded)
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

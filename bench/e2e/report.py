@@ -63,7 +63,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-BASELINES = ("storaged_serial", "gguf_mmap", "accelerate")
+BASELINES = ("storaged_serial", "gguf_mmap", "accelerate", "llamacpp")
 
 
 def ratio_lines(runs: list[dict]) -> list[str]:
@@ -81,12 +81,34 @@ def ratio_lines(runs: list[dict]) -> list[str]:
     if not rows:
         return []
     return ["", "## Decode speed ratios (storaged ÷ contender, same shape and budget)", "",
-            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ resident (100%) |",
-            "|---|---|---|---|---|---|", *rows]
+            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | "
+            "÷ resident (100%) |",
+            "|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs)]
 
 
-def _ratio(value: float, base: float | None) -> str:
-    return "–" if not base else f"{value / base:.2f}×"
+def llamacpp_ratio_lines(runs: list[dict]) -> list[str]:
+    """storaged ÷ llama.cpp, decode and prefill, per shape and budget (same GGUF, same RAM limit rules),
+    with llama.cpp's placement of the experts at that budget."""
+    by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if r.get("decode_tok_s")}
+    rows = []
+    for (shape, name, fraction), ours in sorted(by_key.items()):
+        peer = by_key.get((shape, "llamacpp", fraction))
+        if name != "storaged" or peer is None:
+            continue
+        placement = peer.get("llamacpp", {})
+        rows.append(f"| {shape} | {fraction:.0%} | {_ratio(ours['decode_tok_s'], peer['decode_tok_s'])} | "
+                    f"{_ratio(ours.get('prefill_tok_s'), peer.get('prefill_tok_s'))} | "
+                    f"{_number(peer['decode_tok_s'])} | {_number(peer.get('prefill_tok_s'))} | "
+                    f"{placement.get('n_cpu_moe', '–')} | {placement.get('moe_layers_in_vram', '–')} |")
+    if not rows:
+        return []
+    return ["", "### storaged ÷ llama.cpp (same GGUF, same budget)", "",
+            "| shape | VRAM budget | decode ratio | prefill ratio | llama.cpp decode tok/s | llama.cpp prefill tok/s | "
+            "--n-cpu-moe | MoE layers in VRAM |", "|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "–" if not base or value is None else f"{value / base:.2f}×"
 
 
 def write_results(results: dict, out_dir: Path) -> tuple[Path, Path]:

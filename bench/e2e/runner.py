@@ -126,12 +126,15 @@ def child_main(spec_path: Path) -> int:
     if spec["device"] == "cpu" and spec.get("torch_threads"):
         import torch
         torch.set_num_threads(spec["torch_threads"])
+    run_one_budget = _run_one_budget
+    if spec["contender"] == "llamacpp":  # llama-bench, a subprocess of this child: no torch model here
+        from bench.e2e.llamacpp_run import run_llamacpp_budget as run_one_budget
     started = time.perf_counter()
     for n, fraction in enumerate(spec["budgets"]):
         share = (spec["seconds"] - (time.perf_counter() - started)) / (len(spec["budgets"]) - n)
         try:
-            result = _run_one_budget(spec["contender"], model, fraction, spec, cgroup, time.perf_counter() + share,
-                                     share)
+            result = run_one_budget(spec["contender"], model, fraction, spec, cgroup, time.perf_counter() + share,
+                                    share)
         except Exception as exc:  # noqa: BLE001 - one failed budget is reported, the next still runs
             traceback.print_exc()
             result = {"contender": spec["contender"], "shape": model.shape.name, "budget_fraction": fraction,
