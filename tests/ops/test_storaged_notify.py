@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from storaged.server.notify import Notifier, NotifyEnvironmentError, watchdog_interval
+from servicekit.notify import Notifier, NotifyEnvironmentError, watchdog_interval
 from storaged_testkit import PYTHON, REPO, SLOT_BYTES, Daemon, daemon_env, write_config
 
 WATCHDOG_USEC = 300_000  # pings every 0.15 s
