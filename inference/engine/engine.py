@@ -31,10 +31,11 @@ from inference.engine.errors import (
     QueueFullError,
     RequestTimeoutError,
 )
+from inference.engine.events import async_events, blocking_events
 from inference.engine.generate import FINISH_CANCELLED, ModelRunner, context_length_of, eos_token_ids
 from inference.engine.job import Choice, Job, Sink
 from inference.engine.metrics import EngineMetrics
-from inference.engine.params import Finished, GenerationEvent, SamplingParams
+from inference.engine.params import GenerationEvent, SamplingParams
 from inference.engine.tokenizer_guard import SerializedTokenizer
 
 log = logging.getLogger(__name__)
@@ -141,58 +142,22 @@ class Engine:
         self._jobs.put(job)
         return job
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams, *,
+               request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
         """A one-choice stream_choices."""
-        async for event in self.stream_choices([Choice(list(prompt_ids), params)], request_id=request_id):
-            yield event
+        return self.stream_choices([Choice(list(prompt_ids), params)], request_id=request_id)
 
-    async def stream_choices(self, choices: Sequence[Choice], *,
-                             request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
-        """TextDelta events, and a Finished per choice; raises the EngineError a failed request ends with.
-
-        Closing the iterator early (a client that went away) cancels the request.
-        """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job: Job | None = None
-
-        def sink(event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone: nobody is listening any more
-                job.cancel()
-
-        job = self.submit_choices(choices, sink, request_id=request_id)
-        ends = 0
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if isinstance(event, Finished):
-                    ends += 1
-                    if ends == len(choices) or event.finish_reason == FINISH_CANCELLED:
-                        return
-        finally:
-            job.cancel()  # no-op when finished
+    def stream_choices(self, choices: Sequence[Choice], *,
+                       request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
+        """TextDelta events, and a Finished per choice; raises the EngineError a failed request ends
+        with (submission errors included, at the first iteration). Closing the iterator early (a
+        client that went away) cancels the request."""
+        return async_events(lambda sink: self.submit_choices(choices, sink, request_id=request_id), len(choices))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                  request_id: str | None = None) -> Iterator[GenerationEvent]:
         """The blocking counterpart of `stream`, for threads without an event loop."""
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        job = self.submit(prompt_ids, params, events.put, request_id=request_id)
-        try:
-            while True:
-                event = events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            job.cancel()
+        return blocking_events(lambda sink: self.submit(prompt_ids, params, sink, request_id=request_id), 1)
 
     # --- health, liveness and shutdown -------------------------------------------------------
 

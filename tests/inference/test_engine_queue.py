@@ -219,8 +219,8 @@ def limited(loaded):
         engines.append(Engine.from_loaded(loaded, **limits))
         return engines[-1]
     yield make
-    for engine in engines:
-        engine.close()
+    for made in engines:
+        made.close()
 
 
 def blocker(engine: Engine, prompt_ids) -> tuple:

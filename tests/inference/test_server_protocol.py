@@ -3,6 +3,7 @@ is refused (naming the field), and the response shapes."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -10,6 +11,7 @@ from test_engine_fixtures import qwen_bundle  # noqa: F401  (fixture)
 from transformers import AutoTokenizer
 
 from inference.engine import Finished, InvalidRequestError, TextDelta, TokenLogprob, Usage
+from inference.engine.generation_defaults import GenerationConfigError, read_generation_defaults
 from inference.server.fields import FIELDS, REFUSED, UnknownFieldLog
 from inference.server.protocol import parse_request
 from inference.server.responses import CompletionShape
@@ -84,6 +86,16 @@ def test_generation_config_defaults_fill_only_what_the_request_omits():
     inherited = params_of({"messages": USER, "top_k": 5}, defaults=defaults)
     assert (inherited.temperature, inherited.top_p, inherited.top_k, inherited.max_tokens) == (0.6, 0.95, 5, 16)
     assert params_of({"messages": USER, "temperature": 0}, defaults=defaults).temperature == 0.0
+
+
+def test_generation_config_keys_are_read_only_when_written_and_checked(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_k": 20, "top_p": None, "max_new_tokens": 64, "do_sample": True, "eos_token_id": 2}))
+    assert read_generation_defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
+    assert read_generation_defaults(tmp_path / "elsewhere") == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 5}))
+    with pytest.raises(GenerationConfigError, match="generation_config.json.*temperature"):
+        read_generation_defaults(tmp_path)
 
 
 @pytest.mark.parametrize("prompt, expected", [
