@@ -1,8 +1,8 @@
 """The generation loop of one request: prefill, then one token at a time with the model's KV cache.
 
 Sampling is ours (inference.engine.sampling, vLLM's semantics), not transformers' generate, so
-seed, penalties and stop conditions mean what an OpenAI client expects. The loop is synchronous and runs on whichever thread calls it (the
-engine's worker, or the CLI's main thread).
+seed, penalties and stop conditions mean what an OpenAI client expects. The loop is synchronous
+and runs on whichever thread calls it (the engine's worker, or the CLI's main thread).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class ModelRunner:
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
                                       f"{self.vocab_size})", param=prompt_param)
-        for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
+        for param, ids in named:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, "

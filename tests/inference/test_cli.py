@@ -68,8 +68,8 @@ def test_storaged_is_selectable_but_says_it_is_not_available(qwen_bundle, loaded
                                                                 "/run/s.sock"]))
     with pytest.raises(ExpertSourceNotAvailableError, match="/run/s.sock"):
         make_expert_source(config.model, loaded.bundle)
-    local = make_expert_source(serve_config_from_args(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle)]))
-                               .model, loaded.bundle)
+    local_config = serve_config_from_args(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle)]))
+    local = make_expert_source(local_config.model, loaded.bundle)
     assert isinstance(local, TimedExpertSource) and isinstance(local.source, LocalPackSource)
     assert local.source.device == torch.device("cpu")
 
@@ -92,7 +92,7 @@ def test_python_m_inference_generate_streams_from_stdin(qwen_bundle, loaded):
 
 # --- serve's configuration: TOML file, flags over it, checked before anything loads ----------
 
-def serve_config(*argv: str, environ=None) -> ServeConfig:
+def serve_config(*argv: str) -> ServeConfig:
     return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
 
 

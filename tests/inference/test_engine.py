@@ -166,8 +166,9 @@ def test_top_k_1_and_min_p_1_are_greedy_whatever_the_seed(engine, loaded):
     prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
     greedy = run(engine.runner, prompt_ids, max_tokens=16, temperature=0)[1].token_ids
     for seed in (1, 2, 3):
-        assert run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, top_k=1, seed=seed)[1].token_ids == greedy
-        assert run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, min_p=1.0, seed=seed)[1].token_ids == greedy
+        for cut in ({"top_k": 1}, {"min_p": 1.0}):
+            _, finished = run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, seed=seed, **cut)
+            assert finished.token_ids == greedy
     sampled = {run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, top_k=0, seed=s)[1].token_ids
                for s in (1, 2, 3)}
     assert len(sampled) == 3

@@ -39,7 +39,8 @@ def queued(tmp_path_factory):
 
 def test_max_tokens_is_a_cap_and_the_default(capped):
     client = client_for(capped)
-    assert client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=40).usage.completion_tokens == 40
+    capped = client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=40)
+    assert capped.usage.completion_tokens == 40
     default = client.completions.create(model=MODEL, prompt=LOOP, temperature=0)
     assert default.usage.completion_tokens == 40 and default.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as caught:
@@ -56,7 +57,8 @@ def test_max_model_len_bounds_prompt_and_completion(capped):
     assert [m.model_dump().get("max_model_len") for m in client.models.list().data] == [256]
     assert post(capped.base_url + "/tokenize", {"prompt": "hi"})[1]["max_model_len"] == 256
     prompt = [5] * 240
-    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=16).usage.completion_tokens == 16
+    filled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, extra_body={"ignore_eos": True})
+    assert filled.usage.completion_tokens == 16  # exactly the context
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=17)
     assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "max_tokens"
@@ -87,7 +89,8 @@ def test_a_flood_beyond_the_queue_gets_429_with_retry_after(queued):
 
     def one(i):
         try:
-            return client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=4).usage.completion_tokens
+            reply = client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=4)
+            return reply.usage.completion_tokens
         except openai.RateLimitError as error:
             return error
 

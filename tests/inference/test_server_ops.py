@@ -61,7 +61,8 @@ def test_ready_is_sent_once_the_model_is_loaded(server, notify):
 @pytest.mark.parametrize("key", list(KEYS.values()), ids=list(KEYS))
 def test_each_configured_key_is_accepted(server, key):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0) as client:
-        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+        assert reply.usage.completion_tokens == 2
 
 
 def test_a_missing_or_wrong_key_gets_401(server):
@@ -100,7 +101,8 @@ def test_cors_preflight_and_response_headers(server):
 
 def test_one_json_access_line_per_request(server):
     before = len(access_lines(server.lines))
-    calls = [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3, "user": "bob"}, KEYS["flag"]),
+    completion = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "user": "bob"}
+    calls = [("POST", "/v1/completions", completion, KEYS["flag"]),
              ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, KEYS["flag"]),
              ("GET", "/v1/models", None, None), ("GET", "/health", None, None)]
     for method, path, body, key in calls:
@@ -127,10 +129,10 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server):
     assert chat["token_strs"] is None
     assert call(server, "POST", "/detokenize", {"tokens": chat["tokens"]})[1]["prompt"] == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # special tokens shown: what the model reads
-    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "messages": []},
-                                                                       "prompt"),
-                              ("/tokenize", {"prompt": "x", "tools": []}, "tools"),
-                              ("/detokenize", {"tokens": [1, 99999]}, "tokens"), ("/detokenize", {"tokens": "1"}, "tokens")]:
+    refusals = [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+                ("/tokenize", {"prompt": "x", "tools": []}, "tools"), ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
+                ("/detokenize", {"tokens": "1"}, "tokens")]
+    for path, body, param in refusals:
         status, reply, _ = call(server, "POST", path, body)
         assert status == 400 and reply["error"]["param"] == param, (path, body)
 

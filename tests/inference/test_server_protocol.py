@@ -38,9 +38,11 @@ def params_of(body: dict, *, chat: bool = True, defaults: dict | None = None):
     ({"messages": USER, "logprobs": False, "top_logprobs": 0}, "logprobs", None),
     ({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"},
      "template_kwargs", {"enable_thinking": False, "reasoning_effort": "low"}),
-    ({"messages": USER, "user": "alice", "metadata": {"team": "a"}}, "tags", {"user": "alice", "metadata": {"team": "a"}}),
+    ({"messages": USER, "user": "alice", "metadata": {"team": "a"}}, "tags",
+     {"user": "alice", "metadata": {"team": "a"}}),
     ({"messages": USER}, "add_special_tokens", False),
-    ({"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message", True),
+    ({"messages": USER, "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message",
+     True),
     ({"messages": USER, "request_id": "abc-1"}, "request_id", "abc-1"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
      "messages", [{"role": "user", "content": "ab"}]),
@@ -190,7 +192,8 @@ def test_response_shapes_follow_openai():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     final = chat.finish_chunk(finished)
     assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    assert final["usage"] is None and chat.usage_chunk()["choices"] == [] and chat.usage_chunk()["usage"]["total_tokens"] == 5
+    assert final["usage"] is None
+    assert chat.usage_chunk()["choices"] == [] and chat.usage_chunk()["usage"]["total_tokens"] == 5
     text = CompletionShape(chat=False, model="m", request_id="r1")
     assert text.opening_chunks() == [] and "usage" not in text.text_chunk(TextDelta("x"))
     assert text.full([finished])["choices"][0]["text"] == "hello" and text.id == "cmpl-r1"
@@ -219,7 +222,8 @@ def test_logprob_shapes_chat_and_completions(tokenizer):
     content = chat["choices"][0]["logprobs"]["content"]
     assert bytes(b for item in content for b in item["bytes"]) == "☃".encode()  # exact bytes, not U+FFFD's
     assert [len(item["top_logprobs"]) for item in content] == [2] * len(snowman)
-    assert content[0]["top_logprobs"][1] == {"token": texts.text(7), "logprob": -2.0, "bytes": texts.text_and_bytes(7)[1]}
+    second = {"token": texts.text(7), "logprob": -2.0, "bytes": texts.text_and_bytes(7)[1]}
+    assert content[0]["top_logprobs"][1] == second
     text = CompletionShape(chat=False, model="m", logprobs=1, token_texts=texts).full([finished])["choices"][0]
     logprobs = text["logprobs"]
     assert logprobs["token_logprobs"] == [-0.5] * len(snowman) and len(logprobs["tokens"]) == len(snowman)
