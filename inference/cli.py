@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="a request running longer than this from its arrival, queue wait included, is "
                              "stopped with 408 (default 0: no limit)")
+    limits.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                        help="/health answers 503 while the generation worker is busy but has made no progress "
+                             "for this long: a hung worker (default 60; 0: never)")
     serve.add_argument("--generation-config", choices=GENERATION_CONFIG_CHOICES, default=None,
                        help="auto (default): requests that omit temperature, top_p, top_k, min_p, "
                             "repetition_penalty or max_tokens get the bundle's generation_config.json values; "
@@ -109,7 +112,8 @@ def serve_config_from_args(args: argparse.Namespace):
         "storaged": args.storaged, "storaged_model": args.storaged_model, "host": args.host, "port": args.port,
         "model_name": args.model_name, "shutdown_timeout": args.shutdown_timeout,
         "max_model_len": args.max_model_len, "max_tokens": args.max_tokens, "max_queue": args.max_queue,
-        "request_timeout": args.request_timeout, "generation_config": args.generation_config,
+        "request_timeout": args.request_timeout, "stall_timeout": args.stall_timeout,
+        "generation_config": args.generation_config,
         "api_keys": tuple(args.api_key) if args.api_key else None, "api_key_file": args.api_key_file,
         "allowed_origins": origins, "log_level": args.log_level, "log_format": args.log_format,
         "access_log": args.access_log,

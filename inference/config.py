@@ -100,6 +100,7 @@ class ServeConfig:
     max_tokens: int | None = None  # server-side cap on a request's max_tokens, and its default
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond the running one; more get 429; 0: no limit
     request_timeout: float = 0.0  # seconds from arrival, queue wait included; 0: no limit
+    stall_timeout: float = 60.0  # /health is 503 once the busy worker made no progress this long; 0: never
     generation_config: str = "auto"  # "auto": the bundle's generation_config.json sampling defaults
     api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # Bearer keys; empty: no auth
     allowed_origins: tuple[str, ...] = ()  # CORS; "*" for any origin; empty: no CORS headers
@@ -125,9 +126,10 @@ class ServeConfig:
             raise ConfigError("max_queue", self.max_queue, "expected a number of requests (0: no limit)")
         if self.max_model_len is not None and self.max_tokens is not None and self.max_tokens >= self.max_model_len:
             raise ConfigError("max_tokens", self.max_tokens, f"must be below max_model_len ({self.max_model_len})")
-        timeout = self.request_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
-            raise ConfigError("request_timeout", timeout, "expected seconds (0: no limit)")
+        for field in ("request_timeout", "stall_timeout"):
+            seconds = getattr(self, field)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                raise ConfigError(field, seconds, "expected seconds (0: no limit)")
         _choice("generation_config", self.generation_config, GENERATION_CONFIG_CHOICES)
         if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k.strip() == k and k
                                                            for k in self.api_keys):

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 FINISH_TIMEOUT, FINISH_ERROR = "timeout", "error"  # finish reasons of the metrics only
 SERVICE_TIME_WEIGHT = 0.2  # of the latest request in the moving average of run times
+DEFAULT_STALL_TIMEOUT = 60.0  # half of ops/systemd/inference.service's WatchdogSec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +77,14 @@ def context_limit(model_context: int | None, max_model_len: int | None) -> int |
 
 class Engine:
     def __init__(self, runner: ModelRunner, expert_source, *, metrics: EngineMetrics | None = None,
-                 max_queue: int | None = None, request_timeout: float | None = None):
+                 max_queue: int | None = None, request_timeout: float | None = None,
+                 stall_timeout: float | None = DEFAULT_STALL_TIMEOUT):
         self.runner = runner
         self.expert_source = expert_source
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.max_queue = max_queue
         self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout  # busy this long without progress: /health reports a hang
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self._unavailable_reason: str | None = None  # set while the source is known to be down
@@ -92,13 +95,17 @@ class Engine:
         self._busy = False
         self._steps = 0  # generation steps ever started: the watchdog's sign of progress
         self._ended = 0  # jobs ever ended
+        self._progress_at = time.monotonic()  # the worker's last step, request start or end
+        self._waited_seen: float | None = None  # stalled_for(): the expert wait total it last saw...
+        self._waited_moved_at = self._progress_at  # ...and when it last saw it grow (inside a long step)
         self._mean_service_seconds = 1.0  # moving average of a request's run time: a 429's Retry-After
         self._worker = threading.Thread(target=self._work, name="inference-engine", daemon=True)
         self._worker.start()
 
     @classmethod
     def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, max_model_len: int | None = None,
-                    max_queue: int | None = None, request_timeout: float | None = None) -> Engine:
+                    max_queue: int | None = None, request_timeout: float | None = None,
+                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT) -> Engine:
         """An engine for an inference.model.LoadedModel."""
         if loaded.tokenizer is None:
             raise EngineError(f"bundle {loaded.bundle.path} has no tokenizer; text generation needs one")
@@ -106,7 +113,7 @@ class Engine:
                              eos_ids=eos_token_ids(loaded.tokenizer, loaded.model.generation_config),
                              context_length=context_limit(context_length_of(loaded.config), max_model_len))
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
-                   request_timeout=request_timeout)
+                   request_timeout=request_timeout, stall_timeout=stall_timeout)
 
     @property
     def tokenizer(self):
@@ -164,6 +171,9 @@ class Engine:
     async def health(self) -> Health:
         if self._closed or not self._worker.is_alive():
             return Health(False, "the engine is stopped")
+        stalled = self.stalled_for()
+        if stalled is not None:
+            return Health(False, f"the generation worker has made no progress for {stalled:.0f} s")
         if self._unavailable_reason is not None:
             self._request_reconnect()  # so that health recovers without waiting for a request
             return Health(False, f"expert source unavailable: {self._unavailable_reason}")
@@ -175,6 +185,23 @@ class Engine:
         """Cheap and thread-safe: for a watchdog that must tell a hung worker from a busy one."""
         wait = source_hooks.expert_wait_seconds(self.expert_source)  # moves once per MoE layer acquired
         return Liveness(self._worker.is_alive(), self._busy, (self._steps, self._ended, wait))
+
+    def stalled_for(self) -> float | None:
+        """Seconds the busy worker has gone without progress, when that exceeds stall_timeout; else None.
+
+        The worker stamps each step and each request's start and end. Inside one long step (a long
+        prompt's prefill) the expert source's wait total grows as layers acquire their experts: a
+        polling caller (a health check) sees it grow between its calls."""
+        live = self.liveness()
+        now = time.monotonic()
+        waited = live.progress[2]
+        if waited is not None and self._waited_seen is not None and waited > self._waited_seen:
+            self._waited_moved_at = now
+        self._waited_seen = waited
+        if not live.busy or self.stall_timeout is None:
+            return None
+        idle_for = now - max(self._progress_at, self._waited_moved_at)
+        return idle_for if idle_for > self.stall_timeout else None
 
     @property
     def waiting(self) -> int:
@@ -220,6 +247,7 @@ class Engine:
             if item is _STOP:
                 return
             self._busy = True
+            self._progress_at = time.monotonic()
             try:
                 if item is _RECONNECT:
                     self._reconnect_pending.clear()
@@ -239,12 +267,14 @@ class Engine:
                 finally:
                     self._current = None
                     self._ended += 1
+                    self._progress_at = time.monotonic()
             finally:
                 self._busy = False
 
     def _should_stop(self, job: Job) -> bool:
         """Polled by the generation loop once per step: a heartbeat, and the cancel/timeout check."""
         self._steps += 1
+        self._progress_at = time.monotonic()
         return job.cancelled or job.timed_out()
 
     def _end_unstarted(self, job: Job, reason: str, error: EngineError | None) -> None:

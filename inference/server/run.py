@@ -39,7 +39,8 @@ def _load_in_background(config: ServeConfig, metrics: EngineMetrics) -> concurre
         try:
             engine = Engine.from_loaded(load_from_args(config.model), metrics=metrics,
                                         max_model_len=config.max_model_len, max_queue=config.max_queue or None,
-                                        request_timeout=config.request_timeout or None)
+                                        request_timeout=config.request_timeout or None,
+                                        stall_timeout=config.stall_timeout or None)
             future.set_result(engine)
         except BaseException as exc:  # reported by the serving loop
             future.set_exception(exc)
