@@ -62,10 +62,11 @@ def _check_not_cancelled(finished: Finished) -> None:
 
 def _encode_prompts(engine, parsed: ParsedRequest) -> list[list[int]]:
     tokenizer = engine.tokenizer
-    if parsed.chat:
-        check_template_kwargs(tokenizer, {k: v for k, v in parsed.template_kwargs.items() if k != "reasoning_effort"})
-        if "reasoning_effort" in parsed.template_kwargs:
-            check_template_kwargs(tokenizer, {"reasoning_effort": 1}, param="reasoning_effort")
+    if parsed.chat:  # reasoning_effort is a field of its own: a refusal names it, not chat_template_kwargs
+        kwargs = dict(parsed.template_kwargs)
+        effort = {"reasoning_effort": kwargs.pop("reasoning_effort")} if "reasoning_effort" in kwargs else {}
+        check_template_kwargs(tokenizer, kwargs)
+        check_template_kwargs(tokenizer, effort, param="reasoning_effort")
         return [encode_chat(tokenizer, parsed.messages, template_kwargs=parsed.template_kwargs,
                             add_generation_prompt=parsed.add_generation_prompt,
                             continue_final_message=parsed.continue_final_message,
