@@ -1,1 +1,3 @@
 """inference: the transformers client that runs MoE models with experts served by storaged."""
+
+__version__ = "0.1.0"

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
-from inference.config import ExpertSourceNotAvailableError, add_model_arguments, load_from_args
+from inference import __version__
+from inference.config import (
+    GENERATION_CONFIG_CHOICES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    ConfigError,
+    ExpertSourceNotAvailableError,
+    add_model_arguments,
+    load_from_args,
+    load_serve_config,
+    model_config_from_args,
+)
 from inference.engine import (
     Engine,
     EngineError,
@@ -31,6 +44,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inference", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"inference {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate a completion and stream it to stdout")
@@ -45,14 +59,69 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop before this text (repeatable)")
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_model_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                description="Flags override the --config file's keys (the same names, "
+                                            "with _ for -); see docs/inference.md.")
+    serve.add_argument("--config", type=Path, default=None, help="TOML file of serve options (flat keys)")
+    add_model_arguments(serve, defaults=False)
+    serve.add_argument("--host", default=None, help="default 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default 8000; 0 picks a free port (printed at start)")
     serve.add_argument("--model-name", default=None, help="the model id clients use (default: bundle dir name)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
                        help="how long in-flight requests may run on after SIGTERM/SIGINT (default 30)")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
+                        help="the context the server allows, prompt and completion together (default: the model's)")
+    limits.add_argument("--max-tokens", type=_positive_int, default=None, metavar="TOKENS",
+                        help="most tokens one choice may generate: larger requests get 400, requests without "
+                             "max_tokens get this (default: no cap but the context)")
+    limits.add_argument("--max-queue", type=int, default=None, metavar="REQUESTS",
+                        help="requests that may wait behind the running one; more get 429 with Retry-After "
+                             "(default 256; 0: no limit)")
+    limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request running longer than this from its arrival, queue wait included, is "
+                             "stopped with 408 (default 0: no limit)")
+    limits.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                        help="/health answers 503 while the generation worker is busy but has made no progress "
+                             "for this long: a hung worker (default 60; 0: never)")
+    serve.add_argument("--generation-config", choices=GENERATION_CONFIG_CHOICES, default=None,
+                       help="auto (default): requests that omit temperature, top_p, top_k, min_p, "
+                            "repetition_penalty or max_tokens get the bundle's generation_config.json values; "
+                            "none: OpenAI's defaults")
+    ops = serve.add_argument_group("operations")
+    ops.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' (repeatable; also --api-key-file, and "
+                          "$INFERENCE_API_KEY); /health, /metrics and /version stay open")
+    ops.add_argument("--api-key-file", default=None, metavar="PATH", help="API keys, one per line")
+    ops.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                     help="CORS: origins browsers may call from (repeatable or comma-separated; '*' for any)")
+    ops.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="default info")
+    ops.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                     help="text (default) or json: one JSON object per line, access log included")
+    ops.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                     help="one log line per HTTP request (default on)")
     return parser
+
+
+def serve_config_from_args(args: argparse.Namespace):
+    origins = None
+    if args.allowed_origins is not None:
+        origins = tuple(o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip())
+    overrides = {
+        "bundle": args.bundle, "device": args.device, "dtype": args.dtype, "torch_threads": args.torch_threads,
+        "storaged": args.storaged, "storaged_model": args.storaged_model, "host": args.host, "port": args.port,
+        "model_name": args.model_name, "shutdown_timeout": args.shutdown_timeout,
+        "max_model_len": args.max_model_len, "max_tokens": args.max_tokens, "max_queue": args.max_queue,
+        "request_timeout": args.request_timeout, "stall_timeout": args.stall_timeout,
+        "generation_config": args.generation_config,
+        "api_keys": tuple(args.api_key) if args.api_key else None, "api_key_file": args.api_key_file,
+        "allowed_origins": origins, "log_level": args.log_level, "log_format": args.log_format,
+        "access_log": args.access_log,
+    }
+    config = load_serve_config(args.config, overrides)
+    if args.local and config.model.storaged is not None:  # --local overrides a file's storaged
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, storaged=None))
+    return config
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -63,8 +132,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"inference generate: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    loaded = load_from_args(args)
-    engine = Engine.from_loaded(loaded, static_cache_len=args.static_cache_len)
+    model_config = model_config_from_args(args)
+    loaded = load_from_args(model_config)
+    engine = Engine.from_loaded(loaded, static_cache_len=model_config.static_cache_len)
     try:
         tokenizer = engine.tokenizer
         if args.chat:
@@ -94,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
-        return serve(args)
+        return serve(serve_config_from_args(args))
+    except ConfigError as exc:
+        print(f"inference {args.command}: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (ExpertSourceNotAvailableError, InvalidRequestError) as exc:
         print(f"inference {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE

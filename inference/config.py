@@ -1,9 +1,25 @@
-"""Model options shared by `inference generate` and `inference serve`, and the expert source factory."""
+"""The inference process's configuration, and the expert source factory.
+
+`inference serve` reads one frozen ServeConfig (its ModelConfig inside), filled from an optional
+TOML file (flat keys, the field names below) and then from command-line flags:
+
+    config = load_serve_config(Path("inference.toml"), overrides={"port": 8001})
+
+Every field is checked in __post_init__; a bad value raises ConfigError naming the field and the
+value, so the process can say so and exit before loading anything. `inference generate` uses a
+ModelConfig alone.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +30,20 @@ from packtools.bundle import Bundle
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEVICES = ("cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+GENERATION_CONFIG_CHOICES = ("auto", "none")
+API_KEY_ENV = "INFERENCE_API_KEY"
+DEFAULT_MAX_QUEUE = 256
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; names the field (or file) and the offending value."""
+
+    def __init__(self, field: str, value: Any, problem: str):
+        shown = "<hidden>" if field == "api_keys" else repr(value)  # keys must not reach a log
+        super().__init__(f"config field {field!r} = {shown}: {problem}")
+        self.field = field
 
 
 class ExpertSourceNotAvailableError(Exception):
@@ -21,12 +51,198 @@ class ExpertSourceNotAvailableError(Exception):
     reachable, does not serve the model, or serves another bundle under its name."""
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _positive_int(field: str, value, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(field, value, "expected a positive integer")
+
+
+def _choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(field, value, f"expected one of {', '.join(choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which bundle, where it runs, and where its experts come from (storaged, or the pack itself)."""
+
+    bundle: Path
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    torch_threads: int | None = None
+    storaged: str | None = None  # storaged's Unix socket; None: read the pack directly
+    storaged_model: str | None = None  # storaged's name for the bundle; default: the bundle directory's name
+    experts_compute: str = "auto"  # auto | exact | fused (inference.experts.resolve_compute)
+    # experts per token each MoE layer predicts for the next and hints to storaged; 0 off;
+    # "auto": 2 x the model's top-k with storaged, off without
+    lookahead: int | str = "auto"
+    # decode through a static KV cache of this many tokens, each step one CUDA graph reading
+    # experts via storaged's slot map, where the model allows it; 0 off
+    static_cache_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bundle, (str, Path)) or not str(self.bundle):
+            raise ConfigError("bundle", self.bundle, "expected the path of a bundle directory")
+        object.__setattr__(self, "bundle", Path(self.bundle).expanduser())
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, tuple(DTYPES))
+        _positive_int("torch_threads", self.torch_threads)
+        for field in ("storaged", "storaged_model"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(field, value, "expected a non-empty string")
+        _choice("experts_compute", self.experts_compute, COMPUTE_MODES)
+        if self.lookahead != "auto" and (isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int)
+                                         or self.lookahead < 0):
+            raise ConfigError("lookahead", self.lookahead, "expected a number of experts per token, 0, or 'auto'")
+        if isinstance(self.static_cache_len, bool) or not isinstance(self.static_cache_len, int) \
+                or self.static_cache_len < 0:
+            raise ConfigError("static_cache_len", self.static_cache_len, "expected a number of tokens (0: off)")
+
+    def lookahead_for(self, model_config) -> int:
+        """Experts per token to hint for the next layer, "auto" resolved for this model."""
+        if self.lookahead != "auto":
+            return self.lookahead
+        if not self.storaged:
+            return 0
+        from packtools.arch import get_arch
+
+        return 2 * get_arch(model_config.model_type).top_k(model_config)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything `inference serve` is told. Seconds are floats; None switches a limit off."""
+
+    model: ModelConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the id clients use; default: the bundle directory's name
+    shutdown_timeout: float = 30.0  # how long in-flight requests may run on after SIGTERM
+    max_model_len: int | None = None  # the context the server allows (at most the model's)
+    max_tokens: int | None = None  # server-side cap on a request's max_tokens, and its default
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond the running one; more get 429; 0: no limit
+    request_timeout: float = 0.0  # seconds from arrival, queue wait included; 0: no limit
+    stall_timeout: float = 60.0  # /health is 503 once the busy worker made no progress this long; 0: never
+    generation_config: str = "auto"  # "auto": the bundle's generation_config.json sampling defaults
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # Bearer keys; empty: no auth
+    allowed_origins: tuple[str, ...] = ()  # CORS; "*" for any origin; empty: no CORS headers
+    log_level: str = "info"
+    log_format: str = "text"
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError("model", self.model, "expected a ModelConfig")
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError("host", self.host, "expected a host name or address")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError("port", self.port, "expected a port number (0 picks a free one)")
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
+            raise ConfigError("model_name", self.model_name, "expected a non-empty string")
+        shutdown = self.shutdown_timeout
+        if isinstance(shutdown, bool) or not isinstance(shutdown, (int, float)) or not 0 <= shutdown <= 3600:
+            raise ConfigError("shutdown_timeout", shutdown, "expected seconds between 0 and 3600")
+        for field in ("max_model_len", "max_tokens"):
+            _positive_int(field, getattr(self, field))
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ConfigError("max_queue", self.max_queue, "expected a number of requests (0: no limit)")
+        if self.max_model_len is not None and self.max_tokens is not None and self.max_tokens >= self.max_model_len:
+            raise ConfigError("max_tokens", self.max_tokens, f"must be below max_model_len ({self.max_model_len})")
+        for field in ("request_timeout", "stall_timeout"):
+            seconds = getattr(self, field)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                raise ConfigError(field, seconds, "expected seconds (0: no limit)")
+        _choice("generation_config", self.generation_config, GENERATION_CONFIG_CHOICES)
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k.strip() == k and k
+                                                           for k in self.api_keys):
+            raise ConfigError("api_keys", self.api_keys, "expected non-empty keys without surrounding spaces")
+        if not isinstance(self.allowed_origins, tuple) or not all(isinstance(o, str) and o
+                                                                  for o in self.allowed_origins):
+            raise ConfigError("allowed_origins", self.allowed_origins, "expected origins such as "
+                              "'https://app.example.com', or '*'")
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _choice("log_format", self.log_format, LOG_FORMATS)
+        if not isinstance(self.access_log, bool):
+            raise ConfigError("access_log", self.access_log, "expected true or false")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or default_model_name(self.model.bundle)
+
+
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+SERVE_FIELDS = frozenset(f.name for f in dataclasses.fields(ServeConfig)) - {"model", "api_keys"}
+FILE_ONLY_FIELDS = frozenset({"api_key_file"})  # read into api_keys
+
+
+def read_api_key_file(path: str | os.PathLike) -> tuple[str, ...]:
+    """One key per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("api_key_file", str(path), f"cannot read: {exc.strerror}") from None
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ConfigError("api_key_file", str(path), "holds no key")
+    return keys
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("--config", str(path), "file not found") from None
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+    known = MODEL_FIELDS | SERVE_FIELDS | FILE_ONLY_FIELDS
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(str(path), unknown, f"unknown key(s) {', '.join(unknown)}; known keys: "
+                          f"{', '.join(sorted(known))}")
+    base = Path(path).absolute().parent
+    for key in ("bundle", "api_key_file"):  # relative to the file, not to the server's cwd
+        if isinstance(values.get(key), str):
+            values[key] = str(base / Path(values[key]).expanduser())
+    return values
+
+
+def load_serve_config(path: Path | None, overrides: Mapping[str, Any] | None = None, *,
+                      environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The TOML file's values (optional), then overrides (flags; None values are ignored).
+
+    API keys are the union of `api_keys` overrides, the lines of `api_key_file` and $INFERENCE_API_KEY.
+    """
+    values = read_config_file(path) if path is not None else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    keys = list(values.pop("api_keys", None) or ())
+    key_file = values.pop("api_key_file", None)
+    if key_file is not None:
+        keys += read_api_key_file(key_file)
+    env_key = (os.environ if environ is None else environ).get(API_KEY_ENV, "").strip()
+    if env_key:
+        keys.append(env_key)
+    if "bundle" not in values:
+        raise ConfigError(str(path) if path else "command line", None, "'bundle' is required (--bundle)")
+    model = ModelConfig(**{k: v for k, v in values.items() if k in MODEL_FIELDS})
+    serve = {k: tuple(v) if k == "allowed_origins" and isinstance(v, list) else v
+             for k, v in values.items() if k in SERVE_FIELDS}
+    return ServeConfig(model=model, api_keys=tuple(dict.fromkeys(keys)), **serve)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
     """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged
-    [--storaged-model NAME])."""
-    parser.add_argument("--bundle", required=True, help="pack bundle directory (made by `packtools build`)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+    [--storaged-model NAME]). defaults=False leaves unset options None (a config file may set them)."""
+    parser.add_argument("--bundle", required=defaults, help="pack bundle directory (made by `packtools build`)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu" if defaults else None,
+                        help="where the model runs (default cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if defaults else None,
                         help="dtype of the dense weights and activations (default bfloat16)")
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="torch intra-op threads on CPU (default: torch's choice)")
@@ -38,14 +254,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storaged-model", metavar="NAME", default=None,
                         help="with --storaged: the daemon's name for this bundle (its `--model NAME=DIR`); "
                              "default: the bundle directory's name")
-    parser.add_argument("--experts-compute", choices=COMPUTE_MODES, default="auto",
+    parser.add_argument("--experts-compute", choices=COMPUTE_MODES, default="auto" if defaults else None,
                         help="auto (default): fused kernels reading quantized slots in place on CUDA, the exact "
                              "path elsewhere; exact: eager's per-expert arithmetic everywhere; fused: refuse to "
                              "start where the fused kernels cannot run")
-    parser.add_argument("--lookahead", type=_lookahead, default="auto", metavar="N|auto",
+    parser.add_argument("--lookahead", type=_lookahead, default="auto" if defaults else None, metavar="N|auto",
                         help="experts per token each MoE layer predicts for the next one and hints to storaged "
-                             "(0: off; auto: twice the model's top-k with --storaged, off otherwise)")
-    parser.add_argument("--static-cache-len", type=_non_negative, default=4096, metavar="TOKENS",
+                             "(0: off; auto, the default: twice the model's top-k with --storaged, off otherwise)")
+    parser.add_argument("--static-cache-len", type=_non_negative, default=4096 if defaults else None,
+                        metavar="TOKENS",
                         help="decode through a static KV cache of this many tokens, each step one CUDA graph "
                              "reading experts via storaged's slot map, where the model allows it (default 4096; "
                              "0: off); longer requests decode eagerly")
@@ -65,25 +282,20 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def lookahead_of(args: argparse.Namespace, config) -> int:
-    """Experts per token to hint for the next layer: the flag, or for "auto" 2 x top-k with storaged."""
-    value = getattr(args, "lookahead", 0)
-    if value != "auto":
-        return value
-    if not getattr(args, "storaged", None):
-        return 0
-    from packtools.arch import get_arch
-
-    return 2 * get_arch(config.model_type).top_k(config)
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(bundle=args.bundle, device=args.device, dtype=args.dtype, torch_threads=args.torch_threads,
+                       storaged=args.storaged, storaged_model=args.storaged_model,
+                       experts_compute=args.experts_compute, lookahead=args.lookahead,
+                       static_cache_len=args.static_cache_len)
 
 
-def make_expert_source(args: argparse.Namespace, bundle: Bundle, device: torch.device | str | None = None
-                       ) -> ExpertSource:
-    """The expert source the command line asks for, for the opened bundle, on `device`."""
-    device = torch.device(device if device is not None else args.device)
-    if getattr(args, "storaged", None):
-        return _storaged_source(args.storaged, getattr(args, "storaged_model", None) or default_model_name(bundle.path),
-                                bundle, device)
+def make_expert_source(options: ModelConfig | argparse.Namespace, bundle: Bundle,
+                       device: torch.device | str | None = None) -> ExpertSource:
+    """The expert source `options` (a ModelConfig, or parsed model arguments) ask for, on `device`."""
+    device = torch.device(device if device is not None else options.device)
+    if getattr(options, "storaged", None):
+        model_name = getattr(options, "storaged_model", None) or default_model_name(bundle.path)
+        return _storaged_source(options.storaged, model_name, bundle, device)
     # the wrapper reports the time spent in acquire (expert_wait_seconds) for the metrics
     return TimedExpertSource(LocalPackSource(bundle, device))
 
@@ -101,17 +313,18 @@ def _storaged_source(socket_path: str, model_name: str, bundle: Bundle, device: 
                                             f"source is not available: {exc}") from exc
 
 
-def load_from_args(args: argparse.Namespace) -> LoadedModel:
-    """Load the bundle as the parsed model arguments say."""
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
+def load_from_args(options: ModelConfig | argparse.Namespace) -> LoadedModel:
+    """Load the bundle as `options` (a ModelConfig, or parsed model arguments) say."""
+    if isinstance(options, argparse.Namespace):
+        options = model_config_from_args(options)
+    if options.torch_threads is not None:
+        torch.set_num_threads(options.torch_threads)
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(args.bundle)
-    return load_model(args.bundle, device=args.device, dtype=DTYPES[args.dtype],
-                      expert_source=lambda bundle, device: make_expert_source(args, bundle, device),
-                      experts_compute=getattr(args, "experts_compute", "auto"),
-                      lookahead=lookahead_of(args, config))
+    lookahead = options.lookahead_for(AutoConfig.from_pretrained(options.bundle))
+    return load_model(options.bundle, device=options.device, dtype=DTYPES[options.dtype],
+                      expert_source=lambda bundle, device: make_expert_source(options, bundle, device),
+                      experts_compute=options.experts_compute, lookahead=lookahead)
 
 
 def default_model_name(bundle_dir: str | os.PathLike) -> str:

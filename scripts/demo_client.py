@@ -67,14 +67,18 @@ def print_inference_metrics(base_url: str) -> None:
     metrics = scrape(f"{base_url}/metrics")
 
     def metric(name: str) -> float:
-        return metrics.get(INFERENCE_PREFIX + name, 0.0)
+        """The series' value summed over its labels (model, ...)."""
+        full = INFERENCE_PREFIX + name
+        return sum(v for k, v in metrics.items() if k == full or k.startswith(full + "{"))
 
     requests = metric("time_to_first_token_seconds_count")
+    decode = metric("decode_seconds_total")
+    rate = metric("generated_tokens_total") / decode if decode else float("nan")  # while generating
     ttft = metric("time_to_first_token_seconds_sum") / requests if requests else float("nan")
     print("inference metrics:")
     print(f"  ttft={ttft:.3f}s (mean of {requests:.0f} request(s)) prompt_tokens={metric('prompt_tokens_total'):.0f} "
           f"generated_tokens={metric('generated_tokens_total'):.0f} "
-          f"tokens_per_second={metric('tokens_per_second'):.1f} "
+          f"tokens_per_second={rate:.1f} "
           f"expert_wait={metric('expert_wait_seconds_total'):.3f}s")
 
 

@@ -2,7 +2,9 @@
 
 Every torch call happens on the worker thread; callers submit from any thread and receive
 events through a sink (an asyncio queue for `stream`, a plain queue for `generate`). Requests
-never fail because others are running: they wait their turn.
+never fail because others are running: they wait their turn, up to `max_queue` of them (more
+are refused with QueueFullError), each for at most `request_timeout` seconds from submission
+(RequestTimeoutError). A request's choices (n > 1, or several prompts) run one after another.
 
 When the expert source reports itself unavailable (storaged down or restarting) the request in
 flight fails with ExpertSourceUnavailableError, the engine asks the source to reconnect, and
@@ -18,37 +20,29 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from inference.engine import source_hooks
-from inference.engine.errors import EngineClosedError, EngineError, EngineInternalError, ExpertSourceUnavailableError
+from inference.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    EngineInternalError,
+    ExpertSourceUnavailableError,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from inference.engine.events import async_events, blocking_events
 from inference.engine.generate import FINISH_CANCELLED, ModelRunner, context_length_of, eos_token_ids
+from inference.engine.job import Choice, Job, Sink
 from inference.engine.metrics import EngineMetrics
-from inference.engine.params import Finished, GenerationEvent, SamplingParams
+from inference.engine.params import GenerationEvent, SamplingParams
 from inference.engine.tokenizer_guard import SerializedTokenizer
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[object], None]  # receives TextDelta, then Finished or an EngineError
-
-
-@dataclasses.dataclass
-class Job:
-    """A submitted request; `cancel()` makes the worker skip or stop it at the next token."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Sink
-    submitted_at: float
-    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+FINISH_TIMEOUT, FINISH_ERROR = "timeout", "error"  # finish reasons of the metrics only
+SERVICE_TIME_WEIGHT = 0.2  # of the latest request in the moving average of run times
+DEFAULT_STALL_TIMEOUT = 60.0  # half of ops/systemd/inference.service's WatchdogSec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,33 +51,70 @@ class Health:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+    """What a watchdog needs: is the worker there, is it busy, and a marker that moves with progress
+    (tokens generated, requests ended, time spent acquiring experts)."""
+
+    alive: bool
+    busy: bool
+    progress: tuple
+
+
 _RECONNECT = object()  # worker instruction: try to reconnect the expert source
 _STOP = object()  # worker instruction: exit
 
 
+def context_limit(model_context: int | None, max_model_len: int | None) -> int | None:
+    """The context the engine allows: the model's, or less when max_model_len says so."""
+    if max_model_len is None:
+        return model_context
+    if model_context is not None and max_model_len > model_context:
+        raise EngineError(f"max_model_len {max_model_len} is larger than this model's context of "
+                          f"{model_context} tokens")
+    return max_model_len
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, expert_source, *, metrics: EngineMetrics | None = None):
+    def __init__(self, runner: ModelRunner, expert_source, *, metrics: EngineMetrics | None = None,
+                 max_queue: int | None = None, request_timeout: float | None = None,
+                 stall_timeout: float | None = DEFAULT_STALL_TIMEOUT):
         self.runner = runner
         self.expert_source = expert_source
         self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout  # busy this long without progress: /health reports a hang
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self._unavailable_reason: str | None = None  # set while the source is known to be down
         self._reconnect_pending = threading.Event()
         self._current: Job | None = None
+        self._waiting = 0  # jobs queued, not yet taken by the worker
+        self._waiting_lock = threading.Lock()
+        self._busy = False
+        self._steps = 0  # generation steps ever started: the watchdog's sign of progress
+        self._ended = 0  # jobs ever ended
+        self._progress_at = time.monotonic()  # the worker's last step, request start or end
+        self._waited_seen: float | None = None  # stalled_for(): the expert wait total it last saw...
+        self._waited_moved_at = self._progress_at  # ...and when it last saw it grow (inside a long step)
+        self._mean_service_seconds = 1.0  # moving average of a request's run time: a 429's Retry-After
         self._worker = threading.Thread(target=self._work, name="inference-engine", daemon=True)
         self._worker.start()
 
     @classmethod
-    def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, static_cache_len: int = 0) -> Engine:
+    def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, max_model_len: int | None = None,
+                    max_queue: int | None = None, request_timeout: float | None = None,
+                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, static_cache_len: int = 0) -> Engine:
         """An engine for an inference.model.LoadedModel (static_cache_len: see ModelRunner)."""
         if loaded.tokenizer is None:
             raise EngineError(f"bundle {loaded.bundle.path} has no tokenizer; text generation needs one")
         runner = ModelRunner(loaded.model, SerializedTokenizer(loaded.tokenizer),
                              eos_ids=eos_token_ids(loaded.tokenizer, loaded.model.generation_config),
-                             context_length=context_length_of(loaded.config), expert_source=loaded.expert_source,
-                             static_cache_len=static_cache_len)
-        return cls(runner, loaded.expert_source, metrics=metrics)
+                             context_length=context_limit(context_length_of(loaded.config), max_model_len),
+                             expert_source=loaded.expert_source, static_cache_len=static_cache_len)
+        return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
+                   request_timeout=request_timeout, stall_timeout=stall_timeout)
 
     @property
     def tokenizer(self):
@@ -93,70 +124,93 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, *,
                request_id: str | None = None) -> Job:
-        """Queue a request (checked first: raises InvalidRequestError or EngineClosedError)."""
+        """Queue a one-choice request (see submit_choices)."""
+        return self.submit_choices([Choice(list(prompt_ids), params)], sink, request_id=request_id)
+
+    def submit_choices(self, choices: Sequence[Choice], sink: Sink, *, request_id: str | None = None) -> Job:
+        """Queue a request of one or more choices, generated in order; the sink gets each choice's
+        TextDelta events and Finished (its `index` says which). Checked first: raises
+        InvalidRequestError, QueueFullError or EngineClosedError."""
         if self._closed:
             raise EngineClosedError("the engine is shutting down")
-        self.runner.check_request(prompt_ids, params)
-        job = Job(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink, time.monotonic())
-        self.metrics.queue_depth.inc()
+        if not choices:
+            raise ValueError("a request needs at least one choice")
+        for choice in choices:
+            self.runner.check_request(choice.prompt_ids, choice.params)
+        request_id = request_id or uuid.uuid4().hex
+        now = time.monotonic()
+        timeout = self.request_timeout
+        job = Job(request_id, tuple(choices), sink, now, None if timeout is None else now + timeout, timeout)
+        with self._waiting_lock:
+            if self.max_queue is not None and self._waiting >= self.max_queue:
+                self.metrics.queue_full.inc()
+                raise QueueFullError(request_id, self.max_queue, self._mean_service_seconds)
+            self._waiting += 1
+            self.metrics.queue_depth.inc()
         self._jobs.put(job)
         return job
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
-        """TextDelta events, then Finished; raises the EngineError a failed request ends with.
+    def stream(self, prompt_ids: list[int], params: SamplingParams, *,
+               request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
+        """A one-choice stream_choices."""
+        return self.stream_choices([Choice(list(prompt_ids), params)], request_id=request_id)
 
-        Closing the iterator early (a client that went away) cancels the request.
-        """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job: Job | None = None
-
-        def sink(event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone: nobody is listening any more
-                job.cancel()
-
-        job = self.submit(prompt_ids, params, sink, request_id=request_id)
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            job.cancel()  # no-op when finished
+    def stream_choices(self, choices: Sequence[Choice], *,
+                       request_id: str | None = None) -> AsyncIterator[GenerationEvent]:
+        """TextDelta events, and a Finished per choice; raises the EngineError a failed request ends
+        with (submission errors included, at the first iteration). Closing the iterator early (a
+        client that went away) cancels the request."""
+        return async_events(lambda sink: self.submit_choices(choices, sink, request_id=request_id), len(choices))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                  request_id: str | None = None) -> Iterator[GenerationEvent]:
         """The blocking counterpart of `stream`, for threads without an event loop."""
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        job = self.submit(prompt_ids, params, events.put, request_id=request_id)
-        try:
-            while True:
-                event = events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if isinstance(event, Finished):
-                    return
-        finally:
-            job.cancel()
+        return blocking_events(lambda sink: self.submit(prompt_ids, params, sink, request_id=request_id), 1)
 
-    # --- health and shutdown ----------------------------------------------------------------
+    # --- health, liveness and shutdown -------------------------------------------------------
 
     async def health(self) -> Health:
         if self._closed or not self._worker.is_alive():
             return Health(False, "the engine is stopped")
+        stalled = self.stalled_for()
+        if stalled is not None:
+            return Health(False, f"the generation worker has made no progress for {stalled:.0f} s")
         if self._unavailable_reason is not None:
             self._request_reconnect()  # so that health recovers without waiting for a request
             return Health(False, f"expert source unavailable: {self._unavailable_reason}")
         if not await asyncio.to_thread(source_hooks.probe_available, self.expert_source):
             return Health(False, "expert source unreachable")
         return Health(True, "ok")
+
+    def liveness(self) -> Liveness:
+        """Cheap and thread-safe: for a watchdog that must tell a hung worker from a busy one."""
+        wait = source_hooks.expert_wait_seconds(self.expert_source)  # moves once per MoE layer acquired
+        return Liveness(self._worker.is_alive(), self._busy, (self._steps, self._ended, wait))
+
+    def stalled_for(self) -> float | None:
+        """Seconds the busy worker has gone without progress, when that exceeds stall_timeout; else None.
+
+        The worker stamps each step and each request's start and end. Inside one long step (a long
+        prompt's prefill) the expert source's wait total grows as layers acquire their experts: a
+        polling caller (a health check) sees it grow between its calls."""
+        live = self.liveness()
+        now = time.monotonic()
+        waited = live.progress[2]
+        if waited is not None and self._waited_seen is not None and waited > self._waited_seen:
+            self._waited_moved_at = now
+        self._waited_seen = waited
+        if not live.busy or self.stall_timeout is None:
+            return None
+        idle_for = now - max(self._progress_at, self._waited_moved_at)
+        return idle_for if idle_for > self.stall_timeout else None
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def running(self) -> int:
+        return 0 if self._current is None else 1
 
     def close(self, timeout: float = 30.0) -> None:
         """Fail queued requests, cancel the running one, and stop the worker."""
@@ -167,8 +221,9 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, Job):
-                self.metrics.queue_depth.dec()
-                item.sink(EngineClosedError(f"request {item.request_id}: the engine shut down before it ran"))
+                self._dequeued()
+                self._end_unstarted(item, FINISH_CANCELLED,
+                                    EngineClosedError(f"request {item.request_id}: the engine shut down before it ran"))
         current = self._current
         if current is not None:
             current.cancel()
@@ -182,27 +237,52 @@ class Engine:
             self._reconnect_pending.set()
             self._jobs.put(_RECONNECT)
 
+    def _dequeued(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
+            self.metrics.queue_depth.dec()
+
     def _work(self) -> None:
         while True:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            if item is _RECONNECT:
-                self._reconnect_pending.clear()
-                if self._unavailable_reason is not None:
-                    self._try_reconnect()
-                continue
-            self.metrics.queue_depth.dec()
-            if item.cancelled:
-                continue
-            self._current = item
+            self._busy = True
+            self._progress_at = time.monotonic()
             try:
-                self._run(item)
-            except Exception as exc:  # a bug here must not kill the only worker and hang every request
-                log.exception("request %s: engine failure", item.request_id)
-                item.sink(EngineInternalError(item.request_id, exc))
+                if item is _RECONNECT:
+                    self._reconnect_pending.clear()
+                    if self._unavailable_reason is not None:
+                        self._try_reconnect()
+                    continue
+                self._dequeued()
+                if item.cancelled:
+                    self._end_unstarted(item, FINISH_CANCELLED, None)
+                    continue
+                self._current = item
+                try:
+                    self._run(item)
+                except Exception as exc:  # a bug here must not kill the only worker and hang every request
+                    log.exception("request %s: engine failure", item.request_id)
+                    item.sink(EngineInternalError(item.request_id, exc))
+                finally:
+                    self._current = None
+                    self._ended += 1
+                    self._progress_at = time.monotonic()
             finally:
-                self._current = None
+                self._busy = False
+
+    def _should_stop(self, job: Job) -> bool:
+        """Polled by the generation loop once per step: a heartbeat, and the cancel/timeout check."""
+        self._steps += 1
+        self._progress_at = time.monotonic()
+        return job.cancelled or job.timed_out()
+
+    def _end_unstarted(self, job: Job, reason: str, error: EngineError | None) -> None:
+        self.metrics.record_finish(reason, len(job.choices))
+        self.metrics.e2e_latency.observe(time.monotonic() - job.submitted_at)
+        if error is not None:
+            job.sink(error)
 
     def _try_reconnect(self) -> bool:
         try:
@@ -216,43 +296,72 @@ class Engine:
         self._unavailable_reason = None
         return True
 
-    def _fail_unavailable(self, job: Job, reason: str, cause: BaseException) -> None:
+    def _unavailable_error(self, job: Job, reason: str, cause: BaseException | None) -> EngineError:
         self.metrics.expert_source_unavailable.inc()
         error = ExpertSourceUnavailableError(f"request {job.request_id}: the expert source is unavailable "
                                              f"({reason}); retry later")
         error.__cause__ = cause
-        job.sink(error)
+        return error
 
     def _run(self, job: Job) -> None:
-        source = self.expert_source
-        if self._unavailable_reason is not None and not self._try_reconnect():
-            self._fail_unavailable(job, self._unavailable_reason, None)
+        if job.timed_out():
+            self._end_unstarted(job, FINISH_TIMEOUT, RequestTimeoutError(job.request_id, job.timeout, waiting=True))
             return
+        if self._unavailable_reason is not None and not self._try_reconnect():
+            self._end_unstarted(job, FINISH_ERROR, self._unavailable_error(job, self._unavailable_reason, None))
+            return
+        job.started_at = time.monotonic()
+        self.metrics.queue_time.observe(job.started_at - job.submitted_at)
+        source = self.expert_source
         wait_before = source_hooks.expert_wait_seconds(source)
         self.metrics.running.inc()
-        outcome: object
+        last_event: object = None
         try:
-            outcome = self.runner.run(job.prompt_ids, job.params, emit=job.sink,
-                                      cancelled=lambda: job.cancelled, submitted_at=job.submitted_at)
-        except Exception as exc:
-            outcome = exc
-        self.metrics.running.dec()
-        wait_after = source_hooks.expert_wait_seconds(source)
-        if wait_before is not None and wait_after is not None and wait_after > wait_before:
-            self.metrics.expert_wait_seconds.inc(wait_after - wait_before)
-        # metrics first: whoever receives the last event may read them at once
-        if isinstance(outcome, Finished):
-            if outcome.finish_reason != FINISH_CANCELLED:
-                self.metrics.record_finished(outcome.usage.prompt_tokens, outcome.usage.completion_tokens,
-                                             outcome.time_to_first_token, outcome.generation_seconds)
+            last_event = self._run_choices(job)
+        finally:
+            # metrics first: whoever receives the last event may read them at once
+            self.metrics.running.dec()
+            wait_after = source_hooks.expert_wait_seconds(source)
+            if wait_before is not None and wait_after is not None and wait_after > wait_before:
+                self.metrics.expert_wait_seconds.inc(wait_after - wait_before)
+            ended = time.monotonic()
+            self.metrics.e2e_latency.observe(ended - job.submitted_at)
+            self._mean_service_seconds += SERVICE_TIME_WEIGHT * (ended - job.started_at - self._mean_service_seconds)
+        if last_event is not None:
+            job.sink(last_event)
+
+    def _run_choices(self, job: Job) -> object:
+        """Generate the job's choices in order; returns the event that ends it (sent after the metrics)."""
+        for index, choice in enumerate(job.choices):
+            left = len(job.choices) - index - 1
+            try:
+                outcome = self.runner.run(choice.prompt_ids, choice.params, emit=job.sink,
+                                          cancelled=lambda: self._should_stop(job), submitted_at=job.submitted_at,
+                                          index=index)
+            except Exception as exc:
+                self.metrics.record_finish(FINISH_ERROR, 1 + left)
+                return self._failure(job, exc)
+            if index == 0 and outcome.time_to_first_token is not None:
+                self.metrics.time_to_first_token.observe(outcome.time_to_first_token)
+            if outcome.finish_reason == FINISH_CANCELLED:
+                timed_out = job.timed_out() and not job.cancelled
+                reason = FINISH_TIMEOUT if timed_out else FINISH_CANCELLED
+                self.metrics.record_choice(outcome, reason)
+                self.metrics.record_finish(reason, left)
+                return RequestTimeoutError(job.request_id, job.timeout, waiting=False) if timed_out else outcome
+            self.metrics.record_choice(outcome)
+            if not left:
+                return outcome
             job.sink(outcome)
-            return
-        unavailable = source_hooks.find_unavailable(outcome, source)
+        raise AssertionError("unreachable: the last choice returns")
+
+    def _failure(self, job: Job, error: Exception) -> EngineError:
+        source = self.expert_source
+        unavailable = source_hooks.find_unavailable(error, source)
         if unavailable is None:
-            log.error("request %s failed", job.request_id, exc_info=outcome)
-            job.sink(EngineInternalError(job.request_id, outcome))
-            return
+            log.error("request %s failed", job.request_id, exc_info=error)
+            return EngineInternalError(job.request_id, error)
         self._unavailable_reason = str(unavailable)
         log.warning("request %s: expert source unavailable: %s", job.request_id, unavailable)
         self._try_reconnect()  # before answering, so that a client retrying at once finds it done
-        self._fail_unavailable(job, str(unavailable), outcome)
+        return self._unavailable_error(job, str(unavailable), error)

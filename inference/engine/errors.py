@@ -1,7 +1,7 @@
 """Typed errors of the generation engine; the server maps each to an HTTP status.
 
-InvalidRequestError -> 400, ExpertSourceUnavailableError and EngineClosedError -> 503,
-EngineInternalError -> 500.
+InvalidRequestError -> 400, QueueFullError -> 429, RequestTimeoutError -> 408,
+ExpertSourceUnavailableError and EngineClosedError -> 503, EngineInternalError -> 500.
 """
 
 from __future__ import annotations
@@ -31,6 +31,27 @@ class ExpertSourceUnavailableError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine is shutting down and takes no more requests (or dropped a queued one)."""
+
+
+class QueueFullError(EngineError):
+    """As many requests as the queue admits are already waiting; the client should retry later."""
+
+    def __init__(self, request_id: str, limit: int, retry_after: float = 1.0):
+        super().__init__(f"request {request_id}: {limit} requests are already waiting (the server's "
+                         f"queue limit); retry later")
+        self.request_id = request_id
+        self.limit = limit
+        self.retry_after = retry_after  # seconds: about one request's time, when a place frees up
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past its time limit (waiting included) and was stopped."""
+
+    def __init__(self, request_id: str, limit_seconds: float, *, waiting: bool):
+        where = "while waiting in the queue" if waiting else "while generating"
+        super().__init__(f"request {request_id}: exceeded the server's request timeout of {limit_seconds:g} s {where}")
+        self.request_id = request_id
+        self.limit_seconds = limit_seconds
 
 
 class EngineInternalError(EngineError):

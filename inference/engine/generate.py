@@ -1,8 +1,8 @@
 """The generation loop of one request: prefill, then one token at a time with the model's KV cache.
 
-Sampling is ours (inference.engine.sampling), not transformers' generate, so seed and top_p
-semantics are exact. The loop is synchronous and runs on whichever thread calls it (the
-engine's worker, or the CLI's main thread).
+Sampling is ours (inference.engine.sampling, vLLM's semantics), not transformers' generate, so
+seed, penalties and stop conditions mean what an OpenAI client expects. The loop is synchronous
+and runs on whichever thread calls it (the engine's worker, or the CLI's main thread).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from inference.engine.errors import InvalidRequestError
 from inference.engine.params import Finished, SamplingParams, TextDelta, Usage
-from inference.engine.sampling import next_token, request_generator
+from inference.engine.sampling import TokenSampler
 from inference.engine.text import IncrementalDecoder, StopMatcher
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
@@ -84,6 +84,12 @@ class ModelRunner:
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
                                       f"{self.vocab_size})", param=prompt_param)
+        named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
+        for param, ids in named:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, "
+                                          f"{self.vocab_size})", param=param)
         if self.context_length is None:
             return
         if len(prompt_ids) >= self.context_length:
@@ -111,23 +117,32 @@ class ModelRunner:
         output = self.model(input_ids=input_ids, **kwargs)
         return output.logits[0, -1], _cache_of(output)
 
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end this request: EOS (unless ignore_eos) and its stop_token_ids."""
+        return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
+
     def run(self, prompt_ids: list[int], params: SamplingParams, *, emit: Callable[[TextDelta], None],
-            cancelled: Callable[[], bool] = lambda: False, submitted_at: float | None = None) -> Finished:
+            cancelled: Callable[[], bool] = lambda: False, submitted_at: float | None = None,
+            index: int = 0) -> Finished:
         """Generate for one request, calling `emit` with each piece of safe text; returns its end.
 
+        `cancelled` is polled once per step; `index` is the choice the events belong to.
         Exceptions from the model (an expert source failing included) propagate unchanged.
         """
         started = time.monotonic()
         submitted_at = started if submitted_at is None else submitted_at
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         stops = StopMatcher(params.stop)
+        stop_ids = self.stop_ids(params)
         tokens: list[int] = []
-        first_token_at = None
+        token_times: list[float] = []
+        logprobs: list = []
+        reported = 0  # logprobs entries already sent with a delta
         finish_reason, matched_stop = FINISH_LENGTH, False
         static = self.decoder if self.decoder is not None and self.decoder.fits(
             len(prompt_ids), params.max_tokens) else None
         with torch.inference_mode():
-            generator = request_generator(params, self.device)
+            sampler = TokenSampler(params, prompt_ids, device=self.device, stop_ids=stop_ids)
             input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
             cache = None
             while len(tokens) < params.max_tokens:
@@ -138,28 +153,32 @@ class ModelRunner:
                     logits = static.step(tokens[-1]) if tokens else static.start(prompt_ids)  # [V]
                 else:
                     logits, cache = self._forward(input_ids, cache)  # [V]
-                token = next_token(logits, params, generator)
+                token, entry = sampler.step(logits)
                 tokens.append(token)
-                if first_token_at is None:
-                    first_token_at = time.monotonic()
-                if token in self.eos_ids:
+                token_times.append(time.monotonic())
+                if entry is not None:
+                    logprobs.append(entry)
+                if token in stop_ids:
                     finish_reason = FINISH_STOP
                     break
-                safe, matched_stop = stops.add(decoder.push(token))
+                safe, matched_stop = stops.add(decoder.push(token), search=len(tokens) > params.min_tokens)
                 if safe:
-                    emit(TextDelta(safe))
+                    emit(TextDelta(safe, index, tuple(logprobs[reported:]), len(tokens)))
+                    reported = len(logprobs)
                 if matched_stop:
                     finish_reason = FINISH_STOP
                     break
                 input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
         if not matched_stop:  # release what the decoder and the stop matcher still hold
-            safe, matched_stop = stops.add(decoder.flush())
+            safe, matched_stop = stops.add(decoder.flush(), search=len(tokens) > params.min_tokens)
             tail = safe if matched_stop else safe + stops.finish()
             if matched_stop:
                 finish_reason = FINISH_STOP
             if tail and finish_reason != FINISH_CANCELLED:
-                emit(TextDelta(tail))
+                emit(TextDelta(tail, index, tuple(logprobs[reported:]), len(tokens)))
         ended = time.monotonic()
-        ttft = None if first_token_at is None else first_token_at - submitted_at
+        ttft = None if not token_times else token_times[0] - submitted_at
+        gaps = tuple(b - a for a, b in zip(token_times, token_times[1:]))
         return Finished(finish_reason, stops.text, Usage(len(prompt_ids), len(tokens)), tuple(tokens),
-                        ttft, ended - started)
+                        ttft, ended - started, index, tuple(logprobs) if params.logprobs is not None else None,
+                        gaps)

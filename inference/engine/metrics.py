@@ -1,7 +1,8 @@
 """Prometheus metrics of one engine and its HTTP front end, in their own CollectorRegistry.
 
-tokens/s over any window = rate(generated_tokens_total) / rate(decode_seconds_total); the
-tokens_per_second gauge is the last finished request's own rate.
+Every series carries a `model` label (the served model's name). Generation speed over any window
+is rate(generated_tokens_total) / rate(decode_seconds_total); the inter-token latency histogram
+gives its distribution.
 """
 
 from __future__ import annotations
@@ -9,47 +10,73 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from inference.engine.params import Finished
+
 PREFIX = "expertpack_inference_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # TTFT on CPU test models is milliseconds; with experts read from NVMe it can be many seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a whole request, or its wait in the queue: up to long generations on a disk-bound model
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+# one decode step: ~1 ms all-hit on a GPU to seconds when every expert is read from disk
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 30.0)
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, model: str = "", registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(f"{PREFIX}requests", "Requests answered, by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
-        self.time_to_first_token = Histogram(f"{PREFIX}time_to_first_token_seconds",
-                                             "Seconds from a request's submission (queue wait included) to "
-                                             "its first generated token", buckets=TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generated_tokens = Counter(f"{PREFIX}generated_tokens", "Tokens generated", registry=r)
-        self.decode_seconds = Counter(f"{PREFIX}decode_seconds", "Seconds the worker spent generating "
-                                      "(prefill and decode steps)", registry=r)
-        self.tokens_per_second = Gauge(f"{PREFIX}tokens_per_second", "Generated tokens per second of the "
-                                       "last finished request", registry=r)
-        self.expert_wait_seconds = Counter(f"{PREFIX}expert_wait_seconds", "Seconds spent waiting for the "
-                                           "expert source's acquire (when the source reports it)", registry=r)
-        self.expert_source_unavailable = Counter(f"{PREFIX}expert_source_unavailable", "Requests failed "
-                                                 "because the expert source was unavailable", registry=r)
-        self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting for the worker", registry=r)
-        self.running = Gauge(f"{PREFIX}requests_running", "Requests being generated", registry=r)
+        self.model = model
+        r, m = self.registry, ["model"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"{PREFIX}{name}", doc, m, registry=r).labels(model=model)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", doc, m, buckets=buckets, registry=r).labels(model=model)
+
+        self._requests = Counter(f"{PREFIX}requests", "HTTP requests answered, by endpoint and status (499: the "
+                                 "client went away first)", ["model", "endpoint", "status"], registry=r)
+        self._finish_reasons = Counter(f"{PREFIX}finish_reason", "Choices ended, by finish reason (stop, length, "
+                                       "cancelled, timeout, error)", ["model", "finish_reason"], registry=r)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Seconds from a request's submission "
+                                             "(queue wait included) to its first generated token", TTFT_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Seconds from a request's submission to its "
+                                     "end, whatever the outcome", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Seconds a request waited before the worker "
+                                    "started it", REQUEST_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Seconds between consecutive "
+                                             "generated tokens of a choice", ITL_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generated_tokens = counter("generated_tokens", "Tokens generated")
+        self.decode_seconds = counter("decode_seconds", "Seconds the worker spent generating (prefill and "
+                                      "decode steps)")
+        self.expert_wait_seconds = counter("expert_wait_seconds", "Seconds spent waiting for the expert source's "
+                                           "acquire (when the source reports it)")
+        self.expert_source_unavailable = counter("expert_source_unavailable", "Requests failed because the "
+                                                 "expert source was unavailable")
+        self.queue_full = counter("queue_full", "Requests refused with 429 because the queue was full")
+        self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting for the worker", m,
+                                 registry=r).labels(model=model)
+        self.running = Gauge(f"{PREFIX}requests_running", "Requests being generated", m,
+                             registry=r).labels(model=model)
 
     def record_request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self._requests.labels(model=self.model, endpoint=endpoint, status=str(status)).inc()
 
-    def record_finished(self, prompt_tokens: int, completion_tokens: int, time_to_first_token: float | None,
-                        generation_seconds: float) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generated_tokens.inc(completion_tokens)
-        self.decode_seconds.inc(generation_seconds)
-        if time_to_first_token is not None:
-            self.time_to_first_token.observe(time_to_first_token)
-        if generation_seconds > 0:
-            self.tokens_per_second.set(completion_tokens / generation_seconds)
+    def record_finish(self, reason: str, choices: int = 1) -> None:
+        self._finish_reasons.labels(model=self.model, finish_reason=reason).inc(choices)
+
+    def record_choice(self, finished: Finished, reason: str | None = None) -> None:
+        """One choice generated (or stopped part way): its tokens, time, token gaps and finish reason
+        (`reason` when the engine knows better than the choice, e.g. a timeout)."""
+        self.prompt_tokens.inc(finished.usage.prompt_tokens)
+        self.generated_tokens.inc(finished.usage.completion_tokens)
+        self.decode_seconds.inc(finished.generation_seconds)
+        for gap in finished.inter_token_seconds:
+            self.inter_token_latency.observe(gap)
+        self.record_finish(reason or finished.finish_reason)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

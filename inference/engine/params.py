@@ -9,6 +9,9 @@ import numbers
 from inference.engine.errors import InvalidRequestError
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_PENALTY = 2.0  # OpenAI's presence/frequency penalties are in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias values are in [-100, 100]
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs is at most 20 (vLLM's default max_logprobs too)
 SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
@@ -17,39 +20,93 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _refuse(param: str, message: str):
+    raise InvalidRequestError(f"{param} {message}", param=param)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop; vLLM's semantics, in vLLM's order.
 
-    temperature 0 is greedy (argmax; top_p and seed are then irrelevant). Otherwise logits are
-    divided by temperature and sampled from the smallest set of most likely tokens whose mass
-    reaches top_p, with a torch.Generator seeded from `seed` (None: a fresh random seed), so a
-    request repeated with the same seed yields the same tokens.
+    Each step: logit_bias is added and, before min_tokens tokens, the stop token ids are masked;
+    then the penalties: repetition_penalty (multiplicative, over prompt and generated tokens),
+    frequency_penalty (minus penalty x count) and presence_penalty (minus penalty once), both over
+    generated tokens only, as OpenAI defines them. temperature 0 then takes the argmax. Otherwise
+    logits are divided by temperature, tokens under min_p x the top token's probability are
+    dropped, then all but the top_k, then all outside the top_p nucleus, and one token is drawn
+    with a torch.Generator seeded from `seed` (None: a fresh random seed).
+
+    Defaults switch every step off. `logprobs` None returns none; k >= 0 returns each sampled
+    token's log-probability and the k most likely ones, from the model's raw distribution.
     """
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off (-1 is accepted for off, as vLLM does, and stored as 0)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if not _is_int(self.max_tokens):
-            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}", param="max_tokens")
+            _refuse("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+            _refuse("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise InvalidRequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
-                                      f"got {self.temperature!r}", param="temperature")
-        if not _is_number(self.top_p) or math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", param="top_p")
+            _refuse("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _refuse("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _refuse("top_k", f"must be an integer, -1 or 0 for off, got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            _refuse("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            _refuse("repetition_penalty", f"must be a number above 0 (1 is off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _refuse(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        self._check_logit_bias()
         if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+            _refuse("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}", param="stop")
+            _refuse("stop", f"must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _refuse("stop_token_ids", f"must be token ids, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(name, f"must be a boolean, got {getattr(self, name)!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _refuse("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _refuse("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in bias):
+            _refuse("logit_bias", f"must be (token id, bias) pairs, got {bias!r}")
+        for token, value in bias:
+            if not _is_int(token) or token < 0:
+                _refuse("logit_bias", f"keys must be token ids, got {token!r}")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                _refuse("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                      f"got {value!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias)))
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +116,16 @@ class SamplingParams:
     def generator_seed(self) -> int | None:
         """The seed as torch.Generator.manual_seed takes it (any integer maps into [0, 2**64))."""
         return None if self.seed is None else int(self.seed) % SEED_MODULUS
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: seed + index, as vLLM seeds its n samples."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=self.seed + index)
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the parameters name (checked against the vocabulary by the runner)."""
+        return tuple(t for t, _ in self.logit_bias) + self.stop_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,22 +143,42 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the `top` most likely (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class TextDelta:
-    """New text, safe to show: complete characters, none of it possibly the start of a stop string."""
+    """New text, safe to show: complete characters, none of it possibly the start of a stop string.
+
+    `logprobs` covers the tokens sampled since the previous delta of the same choice (empty unless
+    asked for); `completion_tokens` counts the choice's tokens so far.
+    """
 
     text: str
+    index: int = 0  # the choice (n > 1, or several prompts) it belongs to
+    logprobs: tuple[TokenLogprob, ...] = ()
+    completion_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """The request's end: finish_reason is "stop" (EOS or a stop string) or "length" (max_tokens)."""
+    """A choice's end: finish_reason is "stop" (EOS, a stop token id or a stop string), "length"
+    (max_tokens) or "cancelled"."""
 
     finish_reason: str
     text: str  # the whole completion, truncated before the stop string if one matched
     usage: Usage
     token_ids: tuple[int, ...]  # every sampled token, EOS included when it ended the request
-    time_to_first_token: float  # seconds from submission to the first sampled token
+    time_to_first_token: float | None  # seconds from submission to the first sampled token
     generation_seconds: float  # seconds spent generating (prefill and decode, queue wait excluded)
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per sampled token when asked for
+    inter_token_seconds: tuple[float, ...] = ()  # gaps between consecutive sampled tokens
 
 
 GenerationEvent = TextDelta | Finished

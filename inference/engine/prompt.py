@@ -2,27 +2,85 @@
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Mapping
+
+import jinja2
+import jinja2.meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from inference.engine.errors import InvalidRequestError
 
+# arguments apply_chat_template takes itself: a request may not smuggle them in as template variables
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+_GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")  # transformers' own tag; not jinja
 
-def encode_completion_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+
+def encode_completion_prompt(tokenizer, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
     """A text prompt is tokenized with the tokenizer's special tokens (BOS); a token list is taken as is."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt).input_ids)
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     return [int(t) for t in prompt]
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
-    """The prompt text the tokenizer's chat template makes of `messages`, ready for the assistant's turn."""
+@functools.lru_cache(maxsize=8)
+def _variables_of(template: str) -> frozenset[str]:
+    source = _GENERATION_TAG.sub("", template)
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
+
+
+def template_variables(tokenizer) -> frozenset[str]:
+    """Every variable the tokenizer's chat template(s) read (named templates included)."""
+    template = getattr(tokenizer, "chat_template", None)
+    templates = template.values() if isinstance(template, Mapping) else [template] if template else []
+    try:
+        return frozenset().union(*(_variables_of(t) for t in templates))
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequestError(f"this model's chat template does not parse: {exc}", param="messages") from exc
+
+
+def check_template_kwargs(tokenizer, kwargs: Mapping[str, object], *, param: str = "chat_template_kwargs") -> None:
+    """Refuse a template variable the template never reads: it would be silently ignored."""
+    if not kwargs:
+        return
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequestError(f"{param}: {', '.join(reserved)} cannot be set through the template's variables",
+                                  param=f"{param}.{reserved[0]}")
+    unread = sorted(set(kwargs) - template_variables(tokenizer))
+    if unread:
+        raise InvalidRequestError(f"{param}: this model's chat template does not use {', '.join(unread)}",
+                                  param=f"{param}.{unread[0]}" if param == "chat_template_kwargs" else param)
+
+
+def render_chat(tokenizer, messages: list[dict], *, template_kwargs: Mapping[str, object] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """The prompt text the tokenizer's chat template makes of `messages`: ready for the assistant's turn,
+    or (continue_final_message) ending inside the last message so that generation continues it."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                   param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                  param="continue_final_message")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False,
+                                             **dict(template_kwargs or {}))
     except Exception as exc:  # jinja raises whatever the template raises (raise_exception, TypeError...)
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    # the template writes any BOS itself; adding special tokens again would double it
-    return list(tokenizer(render_chat(tokenizer, messages), add_special_tokens=False).input_ids)
+def encode_chat(tokenizer, messages: list[dict], *, template_kwargs: Mapping[str, object] | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> list[int]:
+    # the template writes any BOS itself; adding special tokens again would double it (vLLM's default too)
+    text = render_chat(tokenizer, messages, template_kwargs=template_kwargs,
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -1,10 +1,24 @@
-"""Next-token choice: greedy, or temperature + nucleus (top_p) sampling from a seeded generator."""
+"""Next-token choice for one request, pure torch: logit processors in vLLM's order, then greedy or
+seeded sampling, and the raw log-probabilities when asked for.
+
+transformers' processors are used where their semantics are vLLM's and OpenAI's: repetition
+penalty (multiplicative, over prompt and generated tokens), top-k (ties at the k-th value kept) and
+min-p. OpenAI's presence and frequency penalties (additive, generated tokens only) and logit_bias
+have no transformers counterpart and are a line each here.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterable
 
-from inference.engine.params import SamplingParams
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+)
+
+from inference.engine.params import SamplingParams, TokenLogprob
 
 
 def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -37,8 +51,106 @@ def nucleus_probabilities(logits: torch.Tensor, temperature: float, top_p: float
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token id from the last position's logits [V]."""
+    """The next token id from the last position's logits [V], with temperature and top_p only."""
     if params.greedy:
         return int(torch.argmax(logits))
     probs = nucleus_probabilities(logits, params.temperature, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TokenSampler:
+    """Picks one request's tokens, step after step; holds what its penalties need to remember.
+
+    `stop_ids` are the ids that would end the request (EOS unless ignore_eos, and stop_token_ids):
+    they are masked while fewer than min_tokens tokens exist. Only the steps a request switches on
+    cost anything: with every option at its default a step is an argmax or one nucleus draw.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], *, device: torch.device,
+                 stop_ids: Iterable[int] = ()):
+        self.params = params
+        self.device = device
+        self.generator = request_generator(params, device)
+        self.generated = 0
+        self._stop_ids = sorted(set(stop_ids)) if params.min_tokens else []
+        self._prompt_ids = prompt_ids
+        self._vocab: int | None = None  # from the first logits: lm_head may be wider than the tokenizer
+        self._bias: torch.Tensor | None = None  # [V] float32
+        self._counts: torch.Tensor | None = None  # [V] float32, generated tokens only
+        self._history: torch.Tensor | None = None  # [1, P + max_tokens] int64, prompt then generated
+        self._repetition = (RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))
+                            if params.repetition_penalty != 1.0 else None)
+        self._min_p = MinPLogitsWarper(float(params.min_p)) if params.min_p > 0 else None
+        self._top_k = TopKLogitsWarper(int(params.top_k)) if params.top_k > 0 else None
+
+    def _prepare(self, vocab: int) -> None:
+        p = self.params
+        self._vocab = vocab
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+            values = torch.tensor([v for _, v in p.logit_bias], dtype=torch.float32)
+            self._bias = torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), values).to(self.device)  # [V]
+        if p.presence_penalty or p.frequency_penalty:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)  # [V]
+        if self._repetition is not None:
+            prompt = len(self._prompt_ids)
+            self._history = torch.empty((1, prompt + p.max_tokens), dtype=torch.long, device=self.device)
+            self._history[0, :prompt] = torch.tensor(self._prompt_ids, dtype=torch.long)
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] float32 logits after bias, min_tokens masking and penalties (what greedy takes the argmax of)."""
+        p = self.params
+        logits = logits.float()  # [V]
+        if self._bias is not None:
+            logits = logits + self._bias
+        if self.generated < p.min_tokens and self._stop_ids:
+            logits = logits.index_fill(0, torch.tensor(self._stop_ids, device=logits.device), float("-inf"))
+        if self._history is not None:
+            seen = self._history[:, :len(self._prompt_ids) + self.generated]  # [1, P + generated]
+            logits = self._repetition(seen, logits.unsqueeze(0))[0]
+        if self._counts is not None:
+            logits = logits - p.frequency_penalty * self._counts - p.presence_penalty * (self._counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """0-d token id drawn from processed logits [V]: temperature, min_p, top_k, then the top_p nucleus."""
+        p = self.params
+        scaled = (logits / p.temperature).unsqueeze(0)  # [1, V]
+        if self._min_p is not None:
+            scaled = self._min_p(None, scaled)
+        if self._top_k is not None:
+            scaled = self._top_k(None, scaled)
+        probs = nucleus_probabilities(scaled[0], 1.0, p.top_p)  # [V]
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+    def step(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token from the last position's logits [V], and its log-probabilities if asked for."""
+        p = self.params
+        if self._vocab is None:
+            self._prepare(int(logits.shape[-1]))
+        plain = (self._bias is None and self._counts is None and self._history is None and self._min_p is None
+                 and self._top_k is None and not (self.generated < p.min_tokens and self._stop_ids))
+        if plain:  # the common request: exactly the two-step path, no extra kernels
+            token = next_token(logits, p, self.generator)
+        else:
+            processed = self._processed(logits)
+            token = int(torch.argmax(processed) if p.greedy else self._sample(processed))
+        entry = self._logprob(logits, token) if p.logprobs is not None else None
+        self._remember(token)
+        return token, entry
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        # vLLM's default (raw_logprobs): the model's distribution, before any processing or temperature
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        chosen = float(logprobs[token])
+        if not self.params.logprobs:
+            return TokenLogprob(token, chosen)
+        values, ids = torch.topk(logprobs, self.params.logprobs)  # [k], [k] best first
+        return TokenLogprob(token, chosen, tuple(zip(ids.tolist(), values.tolist())))
+
+    def _remember(self, token: int) -> None:
+        if self._counts is not None and token < self._vocab:
+            self._counts[token] += 1
+        if self._history is not None:
+            self._history[0, len(self._prompt_ids) + self.generated] = token
+        self.generated += 1

@@ -54,15 +54,21 @@ class StopMatcher:
         self._longest = max((len(s) for s in stops), default=0)
         self.text = ""  # the completion so far
         self._searched = 0  # no stop string starts before this offset
+        self._floor = 0  # text before this offset was added unsearched (min_tokens): never part of a match
         self._shown = 0  # text[:_shown] has been released
 
-    def add(self, delta: str) -> tuple[str, bool]:
+    def add(self, delta: str, *, search: bool = True) -> tuple[str, bool]:
         """Append decoded text; returns (text now safe to show, whether a stop string matched).
 
-        On a match the completion is truncated before the earliest stop string.
+        On a match the completion is truncated before the earliest stop string. `search=False`
+        (the request's min_tokens are not reached yet) releases the text unsearched: a stop string
+        only counts when it starts after the last such text.
         """
         self.text += delta
-        start = max(0, self._searched - self._longest + 1)
+        if not search:
+            self._searched = self._floor = len(self.text)
+            return self._release(len(self.text)), False
+        start = max(self._floor, self._searched - self._longest + 1)
         found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
         if found:
             self.text = self.text[:min(found)]
@@ -76,7 +82,7 @@ class StopMatcher:
 
     def _pending_prefix_length(self) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
-        for length in range(min(self._longest - 1, len(self.text)), 0, -1):
+        for length in range(min(self._longest - 1, len(self.text) - self._floor), 0, -1):
             tail = self.text[-length:]
             if any(s.startswith(tail) for s in self._stops):
                 return length

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from aiohttp import web
 
-from inference.engine import EngineClosedError, EngineError, ExpertSourceUnavailableError, InvalidRequestError
+from inference.engine import (
+    EngineClosedError,
+    EngineError,
+    ExpertSourceUnavailableError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from inference.server.responses import error_body
 
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVICE_UNAVAILABLE = "service_unavailable_error"
+RATE_LIMIT = "rate_limit_error"  # OpenAI's type for 429
+TIMEOUT = "timeout_error"
 SERVER_ERROR = "server_error"
 RETRY_AFTER_SECONDS = "1"
 
@@ -21,11 +31,21 @@ class ModelNotLoadedError(EngineError):
     """A generation request arrived while the model is still loading (or failed to load)."""
 
 
+class UnauthorizedError(EngineError):
+    """The request carries no API key, or one the server does not know (401)."""
+
+
 def status_and_body(error: BaseException) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body for an exception raised while serving a request."""
     if isinstance(error, InvalidRequestError):
         status = 404 if error.code == "model_not_found" else 400
         return status, error_body(error.message, type_=INVALID_REQUEST, param=error.param, code=error.code)
+    if isinstance(error, UnauthorizedError):
+        return 401, error_body(str(error), type_=INVALID_REQUEST, code="invalid_api_key")
+    if isinstance(error, QueueFullError):
+        return 429, error_body(str(error), type_=RATE_LIMIT, code="queue_full")
+    if isinstance(error, RequestTimeoutError):
+        return 408, error_body(str(error), type_=TIMEOUT, code="request_timeout")
     if isinstance(error, ExpertSourceUnavailableError):
         return 503, error_body(str(error), type_=SERVICE_UNAVAILABLE, code="expert_source_unavailable")
     if isinstance(error, EngineClosedError):
@@ -37,5 +57,11 @@ def status_and_body(error: BaseException) -> tuple[int, dict]:
 
 def error_response(error: BaseException) -> web.Response:
     status, body = status_and_body(error)
-    headers = {"Retry-After": RETRY_AFTER_SECONDS} if status == 503 else None
-    return web.json_response(body, status=status, headers=headers)
+    headers = {}
+    if status == 503:
+        headers["Retry-After"] = RETRY_AFTER_SECONDS
+    if status == 429:
+        headers["Retry-After"] = str(max(1, math.ceil(getattr(error, "retry_after", 1))))
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="inference"'
+    return web.json_response(body, status=status, headers=headers or None)

@@ -1,41 +1,58 @@
-"""OpenAI request bodies to engine inputs: every field checked, each refusal naming its `param`."""
+"""OpenAI request bodies to engine inputs: every field checked, each refusal naming its `param`.
+
+What each field does is in inference.server.fields; here they are read and type-checked. Ranges
+are checked by SamplingParams when the engine's parameters are built, which names the field too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable, Mapping
 
 from inference.engine import InvalidRequestError, SamplingParams
+from inference.engine.params import MAX_LOGPROBS
+from inference.server.fields import REFUSED, fields_for
+from inference.server.messages import parse_messages
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# fields we cannot honour: refused rather than silently ignored when they ask for something
-UNSUPPORTED_WHEN_SET = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
-                        "presence_penalty", "frequency_penalty", "response_format")
+MAX_CHOICES = 128  # prompts x n in one request; OpenAI's n is at most 128 too
+TAG_FIELDS = ("user", "safety_identifier", "metadata", "prompt_cache_key")
+# request fields passed to SamplingParams under the same name
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "ignore_eos", "min_tokens", "skip_special_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedRequest:
-    """One /v1/completions or /v1/chat/completions request, checked, prompt not yet tokenized."""
+    """One /v1/completions or /v1/chat/completions request, checked, prompts not yet tokenized."""
 
+    chat: bool
     model: str | None
-    prompt: str | list[int] | None  # completions
-    messages: list[dict[str, str]] | None  # chat
-    max_tokens: int | None  # None: as many as the context leaves
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
+    prompts: tuple[str | tuple[int, ...], ...] | None  # completions: one or more
+    messages: list[dict] | None  # chat
+    template_kwargs: Mapping[str, object]  # chat: chat_template_kwargs, plus reasoning_effort when given
+    add_generation_prompt: bool
+    continue_final_message: bool
+    add_special_tokens: bool
+    n: int
+    max_tokens: int | None  # None: the server's default
+    max_tokens_param: str  # the field it came from, for errors
+    sampling: Mapping[str, object]  # SamplingParams fields the request set (max_tokens aside)
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+    logprobs: int | None  # the engine's: None, or how many top tokens per position
+    tags: Mapping[str, object]  # user, safety_identifier...: for the access log
+    request_id: str | None
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
+        return "messages" if self.chat else "prompt"
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters; `max_tokens` is the request's own or, when it gave none, the room left."""
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=self.stop)
+    def sampling_params(self, max_tokens: int, defaults: Mapping[str, object] | None = None) -> SamplingParams:
+        """The engine's parameters: the model's defaults for the fields the request left out, then the request's."""
+        inherited = {k: v for k, v in (defaults or {}).items() if k != "max_tokens" and k not in self.sampling}
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **inherited, **self.sampling)
 
 
 def _is_int(value) -> bool:
@@ -44,6 +61,10 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
 
 
 def _field(body: dict, name: str, check, expected: str, default=None):
@@ -66,105 +87,142 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _message_content(index: int, message: dict) -> str:
-    content = message.get("content")
-    if content is None and message["role"] == "assistant":
-        return ""  # an assistant turn that only called tools
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"messages[{index}].content: only text parts are supported, got "
-                                          f"{part!r}", param=f"messages[{index}].content")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts, got "
-                              f"{content!r}", param=f"messages[{index}].content")
-
-
-def _messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise InvalidRequestError("'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(f"'messages' must be a non-empty list, got {messages!r}", param="messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be an object, got {message!r}", param=f"messages[{i}]")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                                      param=f"messages[{i}].role")
-        parsed.append({"role": role, "content": _message_content(i, message)})
-    return parsed
-
-
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequestError("'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return [int(t) for t in prompt]
-    raise InvalidRequestError("'prompt' must be a string or a list of token ids (one prompt per request), got "
-                              f"{prompt!r}", param="prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]  # one prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequestError(f"'prompt' must be a string, a list of token ids, or a non-empty list of either, "
+                                  f"got {prompt!r}", param="prompt")
+    prompts = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            prompts.append(tuple(int(t) for t in p))
+        else:
+            raise InvalidRequestError(f"prompt[{i}] must be a string or a non-empty list of token ids, got {p!r}",
+                                      param="prompt")
+    return tuple(prompts)
 
 
-def _asks_for_something(value) -> bool:
-    """False for the values clients send to mean "off": null, false, 0, empty, {"type": "text"}."""
-    if value is None or value is False or (_is_number(value) and value == 0):
-        return False
-    if isinstance(value, (str, list, dict)) and not value:
-        return False
-    return value != {"type": "text"}
+def _check_catalogue(body: dict, chat: bool, unknown: Callable[[list[str]], None]) -> None:
+    known = fields_for(chat)
+    for name, value in body.items():
+        field = known.get(name)
+        if field is not None and field.status == REFUSED and not field.accepted(value):
+            raise InvalidRequestError(f"'{name}' is not supported by this server ({field.note}), got {value!r}",
+                                      param=name)
+    unknown([name for name in body if name not in known])
 
 
-def _check_supported(body: dict) -> None:
-    n = _field(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise InvalidRequestError(f"only n=1 is supported, got n={n}", param="n")
-    best_of = _field(body, "best_of", _is_int, "an integer", 1)
-    if best_of != 1:
-        raise InvalidRequestError(f"only best_of=1 is supported, got {best_of}", param="best_of")
-    for name in UNSUPPORTED_WHEN_SET:
-        if _asks_for_something(body.get(name)):
-            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = _field(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id: bias", {})
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not _is_number(value):
+            raise InvalidRequestError(f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias")
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
-def parse_request(body, *, chat: bool) -> ParsedRequest:
-    """Check a decoded JSON body of /v1/chat/completions (chat) or /v1/completions."""
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if not chat:  # completions: how many top tokens, as an integer
+        return _field(body, "logprobs", _is_int, "an integer (how many most likely tokens to return)")
+    wanted = _field(body, "logprobs", _is_bool, "a boolean", False)
+    top = _field(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top and not wanted:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if options is None:
+        return False, False
+    if not stream:
+        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for key, value in options.items():
+        param = f"stream_options.{key}"
+        if key not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            raise InvalidRequestError(f"'{param}' is not a stream option this server knows", param=param)
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"'{param}' must be a boolean, got {value!r}", param=param)
+    if options.get("continuous_usage_stats") and not options.get("include_usage"):
+        raise InvalidRequestError("'stream_options.continuous_usage_stats' needs 'include_usage': true (as in vLLM)",
+                                  param="stream_options.continuous_usage_stats")
+    if options.get("include_obfuscation"):
+        raise InvalidRequestError("'stream_options.include_obfuscation' is not supported (only false)",
+                                  param="stream_options.include_obfuscation")
+    return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = _field(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    if not all(isinstance(k, str) and k for k in kwargs):
+        raise InvalidRequestError("'chat_template_kwargs' keys must be variable names", param="chat_template_kwargs")
+    kwargs = dict(kwargs)
+    effort = _field(body, "reasoning_effort", lambda v: isinstance(v, str), "a string")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
+def _max_tokens(body: dict, chat: bool) -> tuple[int | None, str]:
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = _field(body, field, _is_int, "an integer")
+        if value is not None and value < 1:
+            raise InvalidRequestError(f"'{field}' must be at least 1, got {value}", param=field)
+    return body.get(name), name
+
+
+def _sampling(body: dict) -> dict:
+    checks = {"seed": (_is_int, "an integer"), "top_k": (_is_int, "an integer"),
+              "min_tokens": (_is_int, "an integer"), "ignore_eos": (_is_bool, "a boolean"),
+              "skip_special_tokens": (_is_bool, "a boolean")}
+    sampling = {}
+    for name in SAMPLING_FIELDS:
+        check, expected = checks.get(name, (_is_number, "a number"))
+        value = _field(body, name, check, expected)
+        if value is not None:
+            sampling[name] = float(value) if expected == "a number" else value
+    stop_ids = _field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+                      "a list of token ids", [])
+    sampling.update(stop=_stop(body), stop_token_ids=tuple(stop_ids), logit_bias=_logit_bias(body))
+    return sampling
+
+
+def parse_request(body, *, chat: bool, unknown: Callable[[list[str]], None] = lambda names: None) -> ParsedRequest:
+    """Check a decoded JSON body of /v1/chat/completions (chat) or /v1/completions; `unknown` hears
+    the names of fields this server does not know."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     model = _field(body, "model", lambda v: isinstance(v, str), "a string")
-    messages = _messages(body) if chat else None
-    prompt = None if chat else _prompt(body)
-    _check_supported(body)
-    max_tokens = _field(body, "max_tokens", _is_int, "an integer")
-    if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _field(body, "max_completion_tokens", _is_int, "an integer")
-    for name in ("max_tokens", "max_completion_tokens"):
-        if body.get(name) is not None and body[name] < 1:
-            raise InvalidRequestError(f"'{name}' must be at least 1, got {body[name]}", param=name)
-    temperature = _field(body, "temperature", _is_number, "a number", 1.0)
-    if not 0.0 <= temperature <= 2.0:
-        raise InvalidRequestError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", _is_number, "a number", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidRequestError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    seed = _field(body, "seed", _is_int, "an integer")
-    stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    if options is not None and not stream:
-        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    include_usage = (options or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise InvalidRequestError(f"'stream_options.include_usage' must be a boolean, got {include_usage!r}",
-                                  param="stream_options.include_usage")
-    return ParsedRequest(model, prompt, messages, max_tokens, float(temperature), float(top_p), seed, _stop(body),
-                         stream, include_usage)
+    messages = parse_messages(body, unknown) if chat else None
+    prompts = None if chat else _prompts(body)
+    _check_catalogue(body, chat, unknown)
+    n = _field(body, "n", _is_int, "an integer", 1)
+    if not 1 <= n * len(prompts or [0]) <= MAX_CHOICES:
+        raise InvalidRequestError(f"'n' x the number of prompts must be in [1, {MAX_CHOICES}], got n={n}", param="n")
+    max_tokens, max_tokens_param = _max_tokens(body, chat)
+    stream = _field(body, "stream", _is_bool, "a boolean", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
+    add_generation_prompt = _field(body, "add_generation_prompt", _is_bool, "a boolean", True)
+    continue_final = _field(body, "continue_final_message", _is_bool, "a boolean", False)
+    add_special = _field(body, "add_special_tokens", _is_bool, "a boolean", not chat)
+    request_id = _field(body, "request_id", lambda v: isinstance(v, str) and v.isprintable() and 0 < len(v) <= 128,
+                        "a printable string of at most 128 characters")
+    tags = {name: body[name] for name in TAG_FIELDS if body.get(name) is not None}
+    return ParsedRequest(chat, model, prompts, messages, _template_kwargs(body) if chat else {},
+                         add_generation_prompt, continue_final, add_special, n, max_tokens, max_tokens_param,
+                         _sampling(body), stream, include_usage, continuous_usage, _logprobs(body, chat), tags,
+                         request_id)

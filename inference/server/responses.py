@@ -6,7 +6,8 @@ import json
 import time
 import uuid
 
-from inference.engine import Finished, Usage
+from inference.engine import Finished, TextDelta, Usage
+from inference.server.token_text import TokenTexts
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -19,68 +20,143 @@ def error_body(message: str, *, type_: str, param: str | None = None, code: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def new_completion_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+def new_completion_id(chat: bool, request_id: str | None = None) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
 
 
-def models_list(model_name: str, created: int) -> dict:
-    return {"object": "list", "data": [model_card(model_name, created)]}
+def models_list(model_name: str, created: int, max_model_len: int | None = None) -> dict:
+    return {"object": "list", "data": [model_card(model_name, created, max_model_len)]}
 
 
-def model_card(model_name: str, created: int) -> dict:
-    return {"id": model_name, "object": "model", "created": created, "owned_by": "expertpack"}
+def model_card(model_name: str, created: int, max_model_len: int | None = None) -> dict:
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "expertpack"}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len  # vLLM's extension: what the server allows
+    return card
+
+
+class _ChoiceState:
+    """What a stream has sent of one choice: logprob entries and (completions) the text offset."""
+
+    def __init__(self):
+        self.logprobs_sent = 0
+        self.text_offset = 0
+        self.completion_tokens = 0
 
 
 class CompletionShape:
-    """The payloads of one request, chat or text completion, sharing its id, model and creation time."""
+    """The payloads of one request, chat or text completion, sharing its id, model and creation time.
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool = False):
+    Choice i belongs to prompt i // n; usage counts each prompt once and every choice's tokens.
+    """
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool = False, continuous_usage: bool = False,
+                 request_id: str | None = None, prompt_tokens: int = 0, choices: int = 1,
+                 logprobs: int | None = None, token_texts: TokenTexts | None = None):
         self.chat = chat
-        self.id = new_completion_id(chat)
+        self.id = new_completion_id(chat, request_id)
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.prompt_tokens = prompt_tokens
+        self.logprobs = logprobs
+        self.token_texts = token_texts
+        self._choices = [_ChoiceState() for _ in range(choices)]
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _envelope(self, object_type: str) -> dict:
         return {"id": self.id, "object": object_type, "created": self.created, "model": self.model}
 
-    def full(self, finished: Finished) -> dict:
-        """The non-streaming response."""
+    def usage(self, completion_tokens: int) -> dict:
+        return Usage(self.prompt_tokens, completion_tokens).as_dict()
+
+    # --- logprobs ---------------------------------------------------------------------------
+
+    def _logprobs(self, entries, state: _ChoiceState | None = None) -> dict | None:
+        if self.logprobs is None:
+            return None
+        texts = self.token_texts
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text},
-                      "logprobs": None, "finish_reason": finished.finish_reason}
-            body = self._envelope("chat.completion")
-        else:
-            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": finished.finish_reason}
-            body = self._envelope("text_completion")
-        return {**body, "choices": [choice], "usage": finished.usage.as_dict()}
+            def item(token_id: int, logprob: float) -> dict:
+                text, raw = texts.text_and_bytes(token_id)
+                return {"token": text, "logprob": logprob, "bytes": raw}
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries], "refusal": None}
+        offset = state.text_offset if state is not None else 0
+        tokens, offsets = [], []
+        for e in entries:
+            text = texts.text(e.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)  # vLLM's offsets: into the completion, token by token
+        if state is not None:
+            state.text_offset = offset
+        top = [{texts.text(t): lp for t, lp in ((e.token_id, e.logprob), *e.top)} for e in entries]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+                "text_offset": offsets}
+
+    # --- whole responses --------------------------------------------------------------------
+
+    def full(self, finished: list[Finished]) -> dict:
+        """The non-streaming response of every choice's Finished."""
+        choices = []
+        for f in sorted(finished, key=lambda f: f.index):
+            logprobs = self._logprobs(f.logprobs or ())
+            if self.chat:
+                choices.append({"index": f.index, "message": {"role": "assistant", "content": f.text},
+                                "logprobs": logprobs, "finish_reason": f.finish_reason})
+            else:
+                choices.append({"index": f.index, "text": f.text, "logprobs": logprobs,
+                                "finish_reason": f.finish_reason})
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        return {**body, "choices": choices, "usage": self.usage(sum(f.usage.completion_tokens for f in finished))}
+
+    # --- stream chunks ----------------------------------------------------------------------
 
     def _chunk(self, choice: dict) -> dict:
-        chunk = {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if self.include_usage:
+        chunk = {**self._envelope(self.object), "choices": [choice]}
+        if self.continuous_usage:
+            chunk["usage"] = self.usage(sum(c.completion_tokens for c in self._choices))
+        elif self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
 
     def opening_chunks(self) -> list[dict]:
-        """Chunks sent before any text: the assistant role, for chat."""
+        """Chunks sent before any text: each choice's assistant role, for chat."""
         if not self.chat:
             return []
-        return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})]
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(len(self._choices))]
 
-    def text_chunk(self, text: str) -> dict:
+    def text_chunk(self, delta: TextDelta) -> dict:
+        state = self._choices[delta.index]
+        state.completion_tokens = delta.completion_tokens
+        logprobs = self._logprobs(delta.logprobs, state)
+        state.logprobs_sent += len(delta.logprobs)
         if self.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+            return self._chunk({"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                                "finish_reason": None})
+        return self._chunk({"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": None})
 
-    def closing_chunks(self, finish_reason: str, usage: Usage) -> list[dict]:
-        """The finish_reason chunk, then (include_usage) a chunk with no choices and the usage."""
+    def finish_chunk(self, finished: Finished) -> dict:
+        """A choice's last chunk: its finish_reason, with the logprobs of tokens no delta carried (EOS...)."""
+        state = self._choices[finished.index]
+        state.completion_tokens = finished.usage.completion_tokens
+        logprobs = self._logprobs((finished.logprobs or ())[state.logprobs_sent:], state)
         if self.chat:
-            final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            final = {"index": finished.index, "delta": {}, "logprobs": logprobs,
+                     "finish_reason": finished.finish_reason}
         else:
-            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
-        chunks = [self._chunk(final)]
-        if self.include_usage:
-            chunks.append({**self._envelope("chat.completion.chunk" if self.chat else "text_completion"),
-                           "choices": [], "usage": usage.as_dict()})
-        return chunks
+            final = {"index": finished.index, "text": "", "logprobs": logprobs, "finish_reason": finished.finish_reason}
+        return self._chunk(final)
+
+    def usage_chunk(self) -> dict | None:
+        """With include_usage: a last chunk with no choices and the whole request's usage."""
+        if not self.include_usage:
+            return None
+        return {**self._envelope(self.object), "choices": [],
+                "usage": self.usage(sum(c.completion_tokens for c in self._choices))}

@@ -32,7 +32,7 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.config import StoragedConfig
 from storaged.server.models import ServedModel
-from storaged.server.notify import Notifier, NotifyEnvironmentError
+from servicekit.notify import Notifier, NotifyEnvironmentError
 from storaged.server.dataplane import DataPlaneServer
 from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
 from storaged.server.runtime import Runtime, StartupError, build_runtime

@@ -10,8 +10,8 @@ import torch
 from test_engine_fixtures import loaded, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
 from test_server_fixtures import REPO
 
-from inference.cli import build_parser, main
-from inference.config import ExpertSourceNotAvailableError, make_expert_source
+from inference.cli import build_parser, main, serve_config_from_args
+from inference.config import ExpertSourceNotAvailableError, ServeConfig, make_expert_source
 from inference.engine import ModelRunner, SamplingParams, encode_chat, encode_completion_prompt
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import LocalPackSource
@@ -64,10 +64,12 @@ def test_generate_refuses_bad_settings(qwen_bundle, capsys, extra, message):
 def test_storaged_is_selectable_but_says_it_is_not_available(qwen_bundle, loaded, capsys):
     assert main(["generate", "--bundle", str(qwen_bundle), "--prompt", "x", "--storaged", "/run/s.sock"]) == 2
     assert "storaged expert source is not available" in capsys.readouterr().err
-    args = build_parser().parse_args(["serve", "--bundle", str(qwen_bundle), "--storaged", "/run/s.sock"])
+    config = serve_config_from_args(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle), "--storaged",
+                                                                "/run/s.sock"]))
     with pytest.raises(ExpertSourceNotAvailableError, match="/run/s.sock"):
-        make_expert_source(args, loaded.bundle)
-    local = make_expert_source(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle)]), loaded.bundle)
+        make_expert_source(config.model, loaded.bundle)
+    local_config = serve_config_from_args(build_parser().parse_args(["serve", "--bundle", str(qwen_bundle)]))
+    local = make_expert_source(local_config.model, loaded.bundle)
     assert isinstance(local, TimedExpertSource) and isinstance(local.source, LocalPackSource)
     assert local.source.device == torch.device("cpu")
 
@@ -86,3 +88,52 @@ def test_python_m_inference_generate_streams_from_stdin(qwen_bundle, loaded):
     assert result.returncode == 0, result.stderr
     expected = engine_text(loaded, encode_completion_prompt(loaded.tokenizer, PROMPT), max_tokens=6, temperature=0)
     assert result.stdout == expected + "\n"
+
+
+# --- serve's configuration: TOML file, flags over it, checked before anything loads ----------
+
+def serve_config(*argv: str) -> ServeConfig:
+    return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("INFERENCE_API_KEY", raising=False)
+    (tmp_path / "keys").write_text("from-file\n")
+    (tmp_path / "inference.toml").write_text(
+        'bundle = "bundles/qwen"\nstoraged = "/run/expertpack/storaged.sock"\nport = 8100\nmax_tokens = 512\n'
+        'max_queue = 0\nrequest_timeout = 600\napi_key_file = "keys"\nallowed_origins = ["*"]\nlog_format = "json"\n')
+    config = serve_config("--config", str(tmp_path / "inference.toml"), "--port", "8200", "--api-key", "from-flag",
+                          "--local")
+    assert config.model.bundle == tmp_path / "bundles" / "qwen"  # relative to the file
+    assert config.model.storaged is None  # --local wins over the file
+    assert (config.port, config.max_tokens, config.max_queue, config.request_timeout) == (8200, 512, 0, 600)
+    assert config.api_keys == ("from-flag", "from-file") and config.allowed_origins == ("*",)
+    assert config.log_format == "json" and config.served_model_name == "qwen"
+    assert "from-flag" not in repr(config)  # keys stay out of logs
+    monkeypatch.setenv("INFERENCE_API_KEY", "from-env")
+    assert serve_config("--bundle", "b").api_keys == ("from-env",)
+
+
+@pytest.mark.parametrize("argv, file, message", [
+    (["--bundle", "b", "--max-queue", "-1"], None, "'max_queue' = -1"),
+    (["--bundle", "b", "--request-timeout", "-5"], None, "'request_timeout' = -5"),
+    (["--bundle", "b", "--max-model-len", "64", "--max-tokens", "64"], None, "'max_tokens' = 64"),
+    (["--bundle", "b", "--api-key-file", "/nonexistent/keys"], None, "'api_key_file'"),
+    ([], None, "'bundle' is required"),
+    ([], "bundle = 'b'\nmax_tokens = 'lots'\n", "'max_tokens' = 'lots'"),
+    ([], "bundle = 'b'\nmax_token = 5\n", "unknown key(s) max_token"),
+    ([], "bundle = 'b'\nport = \n", "not valid TOML"),
+])
+def test_bad_serve_configuration_exits_2_naming_the_field(tmp_path, capsys, argv, file, message):
+    if file is not None:
+        (tmp_path / "inference.toml").write_text(file)
+        argv = [*argv, "--config", str(tmp_path / "inference.toml")]
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err and message in err, err
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == "inference 0.1.0"

@@ -27,12 +27,15 @@ def run(runner: ModelRunner, prompt_ids, **params) -> tuple[list[str], Finished]
     return deltas, finished
 
 
-def plain_greedy(model, prompt_ids: list[int], steps: int) -> list[int]:
-    """argmax over the whole sequence's logits each step: no cache, no sampling code of ours."""
+def plain_greedy(model, prompt_ids: list[int], steps: int, adjust=None) -> list[int]:
+    """argmax over the whole sequence's logits each step: no cache, no sampling code of ours.
+    `adjust(logits [V], generated ids)` changes the logits first (a reference for a penalty)."""
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+            logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+            if adjust is not None:
+                logits = adjust(logits, ids[0, len(prompt_ids):].tolist())
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt_ids):].tolist()
 
@@ -133,3 +136,97 @@ def test_text_delta_events_carry_only_text(engine, loaded):
     events = list(engine.generate(prompt_ids, SamplingParams(max_tokens=8, temperature=0)))
     assert all(isinstance(e, TextDelta) and e.text for e in events[:-1])
     assert isinstance(events[-1], Finished)
+
+
+# --- the sampling fields on the real model --------------------------------------------------
+
+def test_repetition_penalty_greedy_equals_transformers_generate(engine, loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+    _, finished = run(engine.runner, prompt_ids, max_tokens=24, temperature=0, repetition_penalty=1.8)
+    reference = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                      repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+    assert list(finished.token_ids) == reference[0, len(prompt_ids):].tolist()
+    assert list(finished.token_ids) != list(run(engine.runner, prompt_ids, max_tokens=24, temperature=0)[1].token_ids)
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(engine, loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+
+    def openai_penalties(logits, generated):  # OpenAI's definition, over generated tokens only
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0]).float()
+        return logits - 1.5 * counts - 0.7 * (counts > 0).float()
+
+    _, finished = run(engine.runner, prompt_ids, max_tokens=20, temperature=0, frequency_penalty=1.5,
+                      presence_penalty=0.7)
+    assert list(finished.token_ids) == plain_greedy(loaded.model, prompt_ids, 20, openai_penalties)
+    assert len(set(finished.token_ids)) > len(set(plain_greedy(loaded.model, prompt_ids, 20)))
+
+
+def test_top_k_1_and_min_p_1_are_greedy_whatever_the_seed(engine, loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+    greedy = run(engine.runner, prompt_ids, max_tokens=16, temperature=0)[1].token_ids
+    for seed in (1, 2, 3):
+        for cut in ({"top_k": 1}, {"min_p": 1.0}):
+            _, finished = run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, seed=seed, **cut)
+            assert finished.token_ids == greedy
+    sampled = {run(engine.runner, prompt_ids, max_tokens=16, temperature=1.0, top_k=0, seed=s)[1].token_ids
+               for s in (1, 2, 3)}
+    assert len(sampled) == 3
+
+
+def test_stop_token_ids_ignore_eos_min_tokens_and_special_tokens(loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+    eos = loaded.tokenizer.eos_token_id
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(eos,), context_length=None)
+    forced = ((eos, 100.0),)  # EOS wins every step
+    _, ended = run(runner, prompt_ids, max_tokens=6, temperature=0, logit_bias=forced)
+    assert (ended.finish_reason, ended.token_ids, ended.text) == ("stop", (eos,), "")
+    _, ignored = run(runner, prompt_ids, max_tokens=6, temperature=0, logit_bias=forced, ignore_eos=True)
+    assert (ignored.finish_reason, ignored.token_ids, ignored.text) == ("length", (eos,) * 6, "")
+    _, shown = run(runner, prompt_ids, max_tokens=2, temperature=0, logit_bias=forced, ignore_eos=True,
+                   skip_special_tokens=False)
+    assert shown.text == "<|eos|><|eos|>"
+    _, late = run(runner, prompt_ids, max_tokens=6, temperature=0, logit_bias=forced, min_tokens=3)
+    assert late.finish_reason == "stop" and len(late.token_ids) == 4 and late.token_ids[-1] == eos
+    free = run(runner, prompt_ids, max_tokens=8, temperature=0)[1].token_ids
+    _, stopped = run(runner, prompt_ids, max_tokens=8, temperature=0, stop_token_ids=(free[3],))
+    first = free.index(free[3])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:first + 1]
+    assert stopped.text == loaded.tokenizer.decode(list(free[:first]))
+
+
+def test_min_tokens_defers_stop_strings(engine, loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+    _, full = run(engine.runner, prompt_ids, max_tokens=30, temperature=0)
+    stop = full.text[2:4]
+    early = run(engine.runner, prompt_ids, max_tokens=30, temperature=0, stop=(stop,))[1]
+    assert early.text == full.text[:full.text.index(stop)]
+    late = run(engine.runner, prompt_ids, max_tokens=30, temperature=0, stop=(stop,), min_tokens=10)[1]
+    assert len(late.token_ids) >= 10 and len(late.text) > len(early.text)
+
+
+def test_logprobs_are_the_models_log_softmax(engine, loaded):
+    prompt_ids = encode_completion_prompt(loaded.tokenizer, PROMPT)
+    deltas, finished = [], None
+    finished = engine.runner.run(prompt_ids, SamplingParams(max_tokens=6, temperature=0, logprobs=3),
+                                 emit=deltas.append)
+    assert [e.token_id for e in finished.logprobs] == list(finished.token_ids)
+    assert [e for d in deltas for e in d.logprobs] == list(finished.logprobs[:sum(len(d.logprobs) for d in deltas)])
+    with torch.no_grad():
+        logits = loaded.model(input_ids=torch.tensor([prompt_ids]), use_cache=False).logits[0, -1].float()
+    reference = torch.log_softmax(logits, -1)
+    first = finished.logprobs[0]
+    assert first.top[0][0] == first.token_id  # greedy: the sampled token is the most likely one
+    assert first.logprob == pytest.approx(float(reference[first.token_id]), abs=1e-5)
+    assert [t for t, _ in first.top] == torch.topk(reference, 3).indices.tolist()
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"logit_bias": ((512, 1.0),)}, "logit_bias"),
+    ({"stop_token_ids": (9999,)}, "stop_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(loaded, params, param):
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(2,), context_length=None)
+    with pytest.raises(InvalidRequestError) as caught:
+        runner.check_request([5, 6], SamplingParams(max_tokens=4, **params))
+    assert caught.value.param == param

@@ -63,7 +63,8 @@ class FlakyDaemonSource:
 
     While down, `acquire` and `reconnect` raise storaged's real Unavailable error, as the storaged
     client does when its daemon is stopped or restarting. `fail_after` lets a given number of
-    acquires succeed first, so a request can fail part way through.
+    acquires succeed first, so a request can fail part way through. While `flowing` is cleared,
+    `acquire` blocks (a daemon that hangs instead of failing).
     """
 
     def __init__(self, bundle, device):
@@ -74,11 +75,14 @@ class FlakyDaemonSource:
         self.acquires = 0
         self.reconnects = 0
         self.wait_seconds = 0.0
+        self.flowing = threading.Event()  # cleared: acquire blocks, as against a hung daemon
+        self.flowing.set()
 
     def layout(self, layer: int):
         return self.inner.layout(layer)
 
     def acquire(self, layer: int, experts: list[int]):
+        self.flowing.wait()
         self.acquires += 1
         if self.fail_after is not None and self.acquires > self.fail_after:
             self.up = False

@@ -12,11 +12,16 @@ import torch
 from test_engine_fixtures import FlakyDaemonSource, engine, loaded, qwen_bundle  # noqa: F401
 
 from inference.engine import (
+    Choice,
     Engine,
     EngineClosedError,
+    EngineError,
     EngineInternalError,
     ExpertSourceUnavailableError,
     Finished,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
     SamplingParams,
     TextDelta,
     encode_completion_prompt,
@@ -27,8 +32,9 @@ from storaged.client.errors import Unavailable
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def sample(name: str, engine: Engine) -> float:
-    value = engine.metrics.registry.get_sample_value(f"expertpack_inference_{name}")
+def sample(name: str, engine: Engine, **labels) -> float:
+    value = engine.metrics.registry.get_sample_value(f"expertpack_inference_{name}",
+                                                     {"model": engine.metrics.model, **labels})
     return 0.0 if value is None else value
 
 
@@ -185,3 +191,102 @@ def test_close_fails_queued_requests_and_refuses_new_ones(loaded, prompt_ids):
     with pytest.raises(EngineClosedError):
         closing.submit(prompt_ids, SamplingParams(max_tokens=5), lambda e: None)
     assert not health(closing).ok
+
+
+# --- choices, limits, timeouts, liveness ---------------------------------------------------
+
+def collect(engine: Engine, choices) -> list:
+    async def run():
+        return [e async for e in engine.stream_choices(choices)]
+    return asyncio.run(run())
+
+
+def test_choices_run_in_order_each_with_its_own_index(engine, prompt_ids):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=40)
+    alone = [finish(engine, prompt_ids, max_tokens=8, temperature=1.0, seed=40 + i).token_ids for i in range(3)]
+    events = collect(engine, [Choice(prompt_ids, params.for_choice(i)) for i in range(3)])
+    ends = [e for e in events if isinstance(e, Finished)]
+    assert [e.index for e in ends] == [0, 1, 2] and [e.token_ids for e in ends] == alone
+    for i, end in enumerate(ends):
+        assert "".join(e.text for e in events if isinstance(e, TextDelta) and e.index == i) == end.text
+
+
+@pytest.fixture
+def limited(loaded):
+    engines = []
+
+    def make(**limits) -> Engine:
+        engines.append(Engine.from_loaded(loaded, **limits))
+        return engines[-1]
+    yield make
+    for made in engines:
+        made.close()
+
+
+def blocker(engine: Engine, prompt_ids) -> tuple:
+    """A long request that is running when this returns; cancel it to free the worker."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    job = engine.submit(prompt_ids, SamplingParams(max_tokens=3000, temperature=0), events.put)
+    assert isinstance(events.get(timeout=30), TextDelta)
+    return job, events
+
+
+def test_a_full_queue_refuses_with_a_retry_hint(limited, prompt_ids):
+    engine = limited(max_queue=2)
+    job, _ = blocker(engine, prompt_ids)
+    waiting = [queue.SimpleQueue() for _ in range(2)]
+    for sink in waiting:
+        engine.submit(prompt_ids, SamplingParams(max_tokens=2, temperature=0), sink.put)
+    with pytest.raises(QueueFullError) as caught:
+        engine.submit(prompt_ids, SamplingParams(max_tokens=2, temperature=0), lambda e: None)
+    assert caught.value.retry_after > 0 and sample("queue_full_total", engine) == 1
+    assert engine.waiting == 2
+    job.cancel()
+    for sink in waiting:
+        while not isinstance(sink.get(timeout=30), Finished):
+            pass
+    assert sample("finish_reason_total", engine, finish_reason="cancelled") == 1
+    assert sample("finish_reason_total", engine, finish_reason="length") == 2
+
+
+def test_timeouts_while_generating_and_while_waiting(limited, prompt_ids):
+    engine = limited(request_timeout=0.3)
+    with pytest.raises(RequestTimeoutError, match="while generating"):
+        finish(engine, prompt_ids, max_tokens=3000, temperature=0)
+    engine.request_timeout = None
+    job, _ = blocker(engine, prompt_ids)  # no deadline of its own
+    engine.request_timeout = 0.2
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit(prompt_ids, SamplingParams(max_tokens=2, temperature=0), events.put)
+    time.sleep(0.4)
+    job.cancel()
+    error = events.get(timeout=30)
+    assert isinstance(error, RequestTimeoutError) and "while waiting" in str(error)
+    assert sample("finish_reason_total", engine, finish_reason="timeout") == 2
+    assert sample("time_to_first_token_seconds_count", engine) == 2  # the timed-out and the cancelled one
+
+
+def test_max_model_len_bounds_the_context(loaded, prompt_ids):
+    engine = Engine.from_loaded(loaded, max_model_len=len(prompt_ids) + 4)
+    try:
+        assert engine.runner.context_length == len(prompt_ids) + 4
+        assert engine.runner.room_after(prompt_ids) == 4
+        with pytest.raises(InvalidRequestError, match="exceed"):
+            engine.submit(prompt_ids, SamplingParams(max_tokens=5), lambda e: None)
+    finally:
+        engine.close()
+    with pytest.raises(EngineError, match="larger than this model's context"):
+        Engine.from_loaded(loaded, max_model_len=10**6)
+
+
+def test_liveness_moves_while_generating_and_is_idle_otherwise(engine, prompt_ids):
+    idle = engine.liveness()
+    assert idle.alive and not idle.busy
+    job, _ = blocker(engine, prompt_ids)
+    try:
+        first = engine.liveness()
+        time.sleep(0.05)
+        second = engine.liveness()
+        assert first.busy and second.busy and first.progress != second.progress
+    finally:
+        job.cancel()

@@ -8,7 +8,7 @@ import signal
 import openai
 import pytest
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, get, metric_values, post
+from test_server_fixtures import ServerProcess, get, metric_values, post, request
 
 MODEL = "tiny-moe"
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the weather."}]
@@ -113,7 +113,7 @@ INVALID_REQUESTS = [
     (CHAT_URL, {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT_URL, {**GOOD_CHAT, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT_URL, {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content"),
+     "messages[0].content[0]"),
     (CHAT_URL, {**GOOD_CHAT, "model": "gpt-4"}, 404, "model"),
     (CHAT_URL, {**GOOD_CHAT, "model": 3}, 400, "model"),
     (CHAT_URL, {**GOOD_CHAT, "max_tokens": 0}, 400, "max_tokens"),
@@ -125,15 +125,19 @@ INVALID_REQUESTS = [
     (CHAT_URL, {**GOOD_CHAT, "temperature": "hot"}, 400, "temperature"),
     (CHAT_URL, {**GOOD_CHAT, "top_p": 0}, 400, "top_p"),
     (CHAT_URL, {**GOOD_CHAT, "top_p": 1.1}, 400, "top_p"),
-    (CHAT_URL, {**GOOD_CHAT, "n": 2}, 400, "n"),
+    (CHAT_URL, {**GOOD_CHAT, "n": 0}, 400, "n"),
     (CHAT_URL, {**GOOD_CHAT, "seed": "x"}, 400, "seed"),
     (CHAT_URL, {**GOOD_CHAT, "stop": 5}, 400, "stop"),
     (CHAT_URL, {**GOOD_CHAT, "stop": [""]}, 400, "stop"),
     (CHAT_URL, {**GOOD_CHAT, "stream": "yes"}, 400, "stream"),
     (CHAT_URL, {**GOOD_CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CHAT_URL, {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    (CHAT_URL, {**GOOD_CHAT, "logprobs": 3}, 400, "logprobs"),
+    (CHAT_URL, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT_URL, {**GOOD_CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort"),  # the template never reads it
+    (CHAT_URL, {**GOOD_CHAT, "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs.enable_thinking"),
     (COMPLETIONS_URL, {"model": MODEL}, 400, "prompt"),
-    (COMPLETIONS_URL, {**GOOD_COMPLETION, "prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS_URL, {**GOOD_COMPLETION, "prompt": ["a", 5]}, 400, "prompt"),
     (COMPLETIONS_URL, {**GOOD_COMPLETION, "prompt": [1, 100000]}, 400, "prompt"),
     (COMPLETIONS_URL, {**GOOD_COMPLETION, "prompt": []}, 400, "prompt"),
     (COMPLETIONS_URL, {**GOOD_COMPLETION, "prompt": [1.5]}, 400, "prompt"),
@@ -156,14 +160,15 @@ def test_openai_client_raises_its_own_error_types(client):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     assert missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
-    assert "n=1" in bad.value.message
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "json_object"})
+    assert "response_format" in bad.value.message and bad.value.body["param"] == "response_format"
 
 
 def test_unknown_routes_and_methods_are_json_errors(server):
     assert post(server.base_url + "/v1/embeddings", {})[0] == 404
     status, reply = get(server.base_url + "/v1/chat/completions")
     assert status == 405 and reply["error"]["type"] == "invalid_request_error"
+    assert request("OPTIONS", server.base_url + "/v1/chat/completions")[0] == 204  # not a CORS preflight
 
 
 def test_health(server):
@@ -173,20 +178,24 @@ def test_health(server):
 def test_metrics_are_exposed_and_move(server, client):
     before = metric_values(get(server.base_url + "/metrics")[1])
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
-    post(server.base_url + CHAT_URL, {**GOOD_CHAT, "n": 2})
+    post(server.base_url + CHAT_URL, {**GOOD_CHAT, "n": 0})
     status, text = get(server.base_url + "/metrics")
     assert status == 200
     after = metric_values(text)
-    chat_ok = 'expertpack_inference_requests_total{endpoint="/v1/chat/completions",status="200"}'
-    chat_bad = 'expertpack_inference_requests_total{endpoint="/v1/chat/completions",status="400"}'
+    label = f'model="{MODEL}"'
+    chat_ok = f'expertpack_inference_requests_total{{endpoint="/v1/chat/completions",{label},status="200"}}'
+    chat_bad = f'expertpack_inference_requests_total{{endpoint="/v1/chat/completions",{label},status="400"}}'
     assert after[chat_ok] == before.get(chat_ok, 0) + 1
     assert after[chat_bad] == before.get(chat_bad, 0) + 1
     for name, least in [("generated_tokens_total", 6), ("time_to_first_token_seconds_count", 1),
-                        ("decode_seconds_total", 0), ("expert_wait_seconds_total", 0), ("prompt_tokens_total", 1)]:
-        key = f"expertpack_inference_{name}"
+                        ("e2e_request_latency_seconds_count", 1), ("request_queue_time_seconds_count", 1),
+                        ("inter_token_latency_seconds_count", 5), ("decode_seconds_total", 0),
+                        ("expert_wait_seconds_total", 0), ("prompt_tokens_total", 1)]:
+        key = f"expertpack_inference_{name}{{{label}}}"
         assert after[key] - before.get(key, 0) >= least and after[key] > before.get(key, 0), name
-    assert after["expertpack_inference_queue_depth"] == 0
-    assert after["expertpack_inference_tokens_per_second"] > 0
+    length = f'expertpack_inference_finish_reason_total{{finish_reason="length",{label}}}'
+    assert after[length] == before.get(length, 0) + 1
+    assert after[f"expertpack_inference_queue_depth{{{label}}}"] == 0
 
 
 def test_without_max_tokens_generation_runs_until_eos(client):

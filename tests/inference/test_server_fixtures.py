@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,12 +24,16 @@ _LISTENING = re.compile(r"serving '([^']*)' on (http://\S+)")
 
 
 class ServerProcess:
-    """`python -m inference serve --bundle B --port 0 --local`, its address read from its first line."""
+    """`python -m inference serve --bundle B --port 0 --local`, its address read from its first line.
 
-    def __init__(self, bundle: Path, *extra: str, model_name: str = "tiny-moe"):
+    `lines` collects its stdout and stderr (the log, access log included) as they come.
+    """
+
+    def __init__(self, bundle: Path, *extra: str, model_name: str = "tiny-moe", env: dict | None = None,
+                 healthy: bool = True):
         command = [sys.executable, "-m", "inference", "serve", "--bundle", str(bundle), "--port", "0", "--local",
                    "--dtype", "float32", "--torch-threads", "1", "--model-name", model_name, *extra]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -38,7 +43,8 @@ class ServerProcess:
         if not self._address.wait(STARTUP_SECONDS):
             self.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        self.wait_healthy()
+        if healthy:
+            self.wait_healthy()
 
     def _read_output(self) -> None:
         for line in self.process.stdout:  # drained to the end so the server never blocks on a full pipe
@@ -65,19 +71,26 @@ class ServerProcess:
             self.process.wait(10)
 
 
-def request(method: str, url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, dict | str]:
-    """(status, decoded JSON or text) of one HTTP request, error statuses included."""
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+def request_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
+                         timeout: float = 60) -> tuple[int, dict | str, dict]:
+    """(status, decoded JSON or text, response headers) of one HTTP request, error statuses included."""
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as response:
-            status, raw = response.status, response.read()
-            content_type = response.headers.get("Content-Type", "")
+            status, raw, got = response.status, response.read(), response.headers
     except urllib.error.HTTPError as error:
-        status, raw, content_type = error.code, error.read(), error.headers.get("Content-Type", "")
+        status, raw, got = error.code, error.read(), error.headers
     except (ConnectionError, urllib.error.URLError):
-        return 0, ""
+        return 0, "", {}
     text = raw.decode()
-    return status, json.loads(text) if content_type.startswith("application/json") else text
+    content_type = got.get("Content-Type", "")
+    return status, json.loads(text) if content_type.startswith("application/json") else text, dict(got.items())
+
+
+def request(method: str, url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+    """(status, decoded JSON or text) of one HTTP request, error statuses included."""
+    return request_with_headers(method, url, body, timeout=timeout)[:2]
 
 
 def get(url: str) -> tuple[int, dict | str]:
@@ -86,6 +99,67 @@ def get(url: str) -> tuple[int, dict | str]:
 
 def post(url: str, body) -> tuple[int, dict | str]:
     return request("POST", url, body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+# A Qwen3-like chat template: renders tool calls and tool results, reads enable_thinking and
+# reasoning_effort; what the server's field tests need a template to honour.
+RICH_CHAT_TEMPLATE = """\
+{%- if reasoning_effort is defined %}<|im_start|>system
+Reasoning: {{ reasoning_effort }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls is defined %}<|im_start|>assistant
+{{ message.content }}{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", \
+"arguments": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>tool
+<tool_response id="{{ message.tool_call_id }}">{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}{% if not (loop.last and continue_final_message) %}<|im_end|>
+{% endif %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+def rich_bundle(tmp_path_factory, generation_config: dict) -> Path:
+    """The tiny bundle with RICH_CHAT_TEMPLATE and these generation_config.json sampling defaults."""
+    from test_engine_fixtures import tiny_bundle
+
+    source = tiny_bundle(tmp_path_factory)
+    bundle = tmp_path_factory.mktemp("rich-bundle") / "bundle"
+    shutil.copytree(source, bundle)
+    (bundle / "chat_template.jinja").write_text(RICH_CHAT_TEMPLATE)
+    config = json.loads((bundle / "generation_config.json").read_text())
+    (bundle / "generation_config.json").write_text(json.dumps({**config, **generation_config}, indent=2))
+    return bundle
+
+
+def access_lines(lines: list[str]) -> list[str]:
+    """The access log lines among a server's output lines (text or JSON format)."""
+    return [line for line in lines if " inference.access: " in line or '"logger": "inference.access"' in line]
+
+
+_SERIES = re.compile(r'^(\w+)(?:\{(.*)\})?$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric(values: dict[str, float] | str, name: str, **labels: str) -> float:
+    """The sum of the series called `name` whose labels include `labels` (0 when there is none);
+    `values` is metric_values' dict or the exposition text itself."""
+    if isinstance(values, str):
+        values = metric_values(values)
+    total = 0.0
+    for key, value in values.items():
+        match = _SERIES.match(key)
+        if match and match.group(1) == name:
+            have = dict(_LABEL.findall(match.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += value
+    return total
 
 
 def metric_values(text: str) -> dict[str, float]:

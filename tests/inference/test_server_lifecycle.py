@@ -9,7 +9,7 @@ import sys
 import time
 
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import REPO, ServerProcess, get, metric_values, post
+from test_server_fixtures import REPO, ServerProcess, get, metric, post
 
 
 def test_sigterm_lets_the_running_request_finish_then_exits_cleanly(tmp_path_factory):
@@ -20,7 +20,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_cleanly(tmp_path_fac
             body = {"prompt": "hello world", "max_tokens": 1500, "temperature": 0}
             reply = pool.submit(post, server.base_url + "/v1/completions", body)
             deadline = time.monotonic() + 60
-            while metric_values(get(server.base_url + "/metrics")[1])["expertpack_inference_requests_running"] < 1:
+            while metric(get(server.base_url + "/metrics")[1], "expertpack_inference_requests_running") < 1:
                 assert time.monotonic() < deadline and not reply.done()
                 time.sleep(0.02)
             assert server.stop(signal.SIGTERM) == 0, "".join(server.lines)
@@ -49,7 +49,7 @@ def test_a_second_signal_exits_at_once(tmp_path_factory):
             body = {"prompt": "hello world", "max_tokens": 3000, "temperature": 0}  # ~5 s of decoding
             reply = pool.submit(post, server.base_url + "/v1/completions", body)
             deadline = time.monotonic() + 60
-            while metric_values(get(server.base_url + "/metrics")[1])["expertpack_inference_requests_running"] < 1:
+            while metric(get(server.base_url + "/metrics")[1], "expertpack_inference_requests_running") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             server.process.send_signal(signal.SIGINT)

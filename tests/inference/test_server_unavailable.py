@@ -16,7 +16,7 @@ import pytest
 import torch
 from aiohttp import web
 from test_engine_fixtures import FlakyDaemonSource, qwen_bundle  # noqa: F401  (fixtures)
-from test_server_fixtures import get, metric_values, post
+from test_server_fixtures import get, metric, metric_values, post
 
 from inference.engine import Engine, EngineMetrics
 from inference.model import load_model
@@ -102,9 +102,9 @@ def test_daemon_down_gives_503_then_requests_succeed_again(flaky_server, client)
     assert again.choices[0].message.content == expected.choices[0].message.content
 
     metrics = metric_values(get(server.base_url + "/metrics")[1])
-    assert metrics['expertpack_inference_requests_total{endpoint="/v1/chat/completions",status="503"}'] == 2
-    assert metrics["expertpack_inference_expert_source_unavailable_total"] == 2
-    assert metrics["expertpack_inference_expert_wait_seconds_total"] == pytest.approx(source.wait_seconds)
+    assert metric(metrics, "expertpack_inference_requests_total", endpoint="/v1/chat/completions", status="503") == 2
+    assert metric(metrics, "expertpack_inference_expert_source_unavailable_total") == 2
+    assert metric(metrics, "expertpack_inference_expert_wait_seconds_total") == pytest.approx(source.wait_seconds)
 
 
 def test_daemon_lost_mid_stream_ends_the_stream_with_an_error(flaky_server, client):

@@ -6,43 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import time
 
 import pytest
 
-from storaged.server.notify import Notifier, NotifyEnvironmentError, watchdog_interval
+from notify_testkit import NotifyReceiver
+
+from servicekit.notify import Notifier, NotifyEnvironmentError, watchdog_interval
 from storaged_testkit import PYTHON, REPO, SLOT_BYTES, Daemon, daemon_env, write_config
 
 WATCHDOG_USEC = 300_000  # pings every 0.15 s
 LISTEN_SECONDS = 1.0
-
-
-class NotifyReceiver:
-    """What systemd does with NOTIFY_SOCKET: a bound datagram socket, read one message at a time."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.socket.bind(self.path)
-
-    def next(self, timeout: float = 30) -> dict[str, str]:
-        self.socket.settimeout(timeout)
-        lines = self.socket.recv(4096).decode().split("\n")
-        return dict(line.split("=", 1) for line in lines)
-
-    def collect(self, seconds: float) -> list[dict[str, str]]:
-        messages, deadline = [], time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                messages.append(self.next(timeout=left))
-            except TimeoutError:
-                break
-        return messages
-
-    def close(self) -> None:
-        self.socket.close()
 
 
 @pytest.mark.parametrize("environ, pid, expected", [

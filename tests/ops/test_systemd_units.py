@@ -25,7 +25,9 @@ def test_units_verify_cleanly():
     ("storaged.service", "WatchdogSec=30s", "WatchdogSec=half a minute", "Failed to parse"),
     ("storaged.service", "ExecStart=/usr/bin/env storaged", "ExecStart=/opt/nowhere/storaged", "not executable"),
     ("storaged.service", "ProtectSystem=strict", "ProtectSystem=sternly", "Failed to parse"),
-    ("inference.service", "Requires=storaged.service", "Requiress=storaged.service", "Unknown key"),
+    ("inference.service", "Wants=storaged.service", "Wantss=storaged.service", "Unknown key"),
+    ("inference.service", "Type=notify", "Type=notifyy", "Failed to parse service type"),
+    ("inference.service", "WatchdogSec=120s", "WatchdogSec=two minutes", "Failed to parse"),
 ])
 def test_verify_reports_broken_units(tmp_path, unit, original, broken, diagnostic):
     """The check above can fail: the same verify run flags each of these mistakes."""
@@ -50,11 +52,28 @@ def test_storaged_unit_settings():
     assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidiactl rw"} <= set(service["DeviceAllow"])
 
 
-def test_inference_unit_needs_storaged():
+def _listed(unit: dict, key: str) -> set[str]:
+    return {name for value in unit["Unit"].get(key, []) for name in value.split()}
+
+
+def test_inference_unit_starts_after_storaged_but_survives_its_restarts():
+    """systemd.unit(5): Wants= pulls storaged in when inference starts and After= orders it first;
+    Requires= (and BindsTo=, PartOf=) would also stop or restart inference whenever storaged is
+    stopped or restarted, reloading the model: none of them may name storaged."""
     unit = unit_settings(UNITS / "inference.service")
-    assert "storaged.service" in unit["Unit"]["Requires"][0].split()
-    assert "storaged.service" in unit["Unit"]["After"][0].split()
+    assert "storaged.service" in _listed(unit, "Wants") and "storaged.service" in _listed(unit, "After")
+    for key in ("Requires", "Requisite", "BindsTo", "PartOf"):
+        assert "storaged.service" not in _listed(unit, key), key
     assert unit["Service"]["Group"] == ["expertpack"]  # the group storaged's socket admits
+
+
+def test_inference_unit_is_notify_with_a_watchdog():
+    service = unit_settings(UNITS / "inference.service")["Service"]
+    expected = {"Type": ["notify"], "NotifyAccess": ["main"], "WatchdogSec": ["120s"], "Restart": ["on-failure"],
+                "TimeoutStartSec": ["30min"]}
+    for key, values in expected.items():
+        assert service.get(key) == values, key
+    assert service["ExecStart"] == ["/usr/bin/env inference serve $INFERENCE_ARGS"]
 
 
 @pytest.mark.parametrize("unit", UNIT_FILES, ids=lambda p: p.name)

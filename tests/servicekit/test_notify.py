@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from storaged.server.notify import notify
+from servicekit.notify import notify
 
 
 def test_without_notify_socket_nothing_is_sent():

@@ -1,4 +1,4 @@
-"""sd_notify: tell systemd (Type=notify) the daemon's state over $NOTIFY_SOCKET.
+"""sd_notify: tell systemd (Type=notify) a daemon's state over $NOTIFY_SOCKET.
 
 The protocol is one datagram of newline-separated KEY=VALUE lines to the Unix socket named by
 $NOTIFY_SOCKET; a name starting with '@' is in the abstract namespace (leading NUL byte).
@@ -7,11 +7,14 @@ Outside systemd the variable is unset and everything here does nothing.
     notifier = Notifier.from_environment()
     notifier.ready("serving qwen3 on /run/expertpack/storaged.sock")   # READY=1 + STATUS=...
     task = asyncio.create_task(notifier.watchdog_forever())            # WATCHDOG=1 pings
+    task = asyncio.create_task(notifier.watchdog_forever(alive))       # ... only while alive() says so
     notifier.stopping("draining")                                      # STOPPING=1 + STATUS=...
 
 The watchdog (WatchdogSec= in the unit) gives us $WATCHDOG_USEC; systemd restarts the service
 when no WATCHDOG=1 arrives within it. We ping every half of it, as sd_watchdog_enabled(3)
-recommends, from the event loop, so a wedged loop stops the pings and gets the daemon restarted.
+recommends, from the event loop, so a wedged loop stops the pings and gets the daemon restarted;
+a daemon whose real work happens elsewhere (inference's generation thread) passes `alive`, and a
+ping is skipped whenever it answers False.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-log = logging.getLogger("storaged")
+log = logging.getLogger(__name__)
 
 
 class NotifyEnvironmentError(ValueError):
@@ -136,12 +139,14 @@ class Notifier:
     def ping_watchdog(self) -> bool:
         return self.send("WATCHDOG=1")
 
-    async def watchdog_forever(self) -> None:
-        """Ping every watchdog_seconds until cancelled; returns at once when the watchdog is off."""
+    async def watchdog_forever(self, alive: Callable[[], bool] | None = None) -> None:
+        """Ping every watchdog_seconds until cancelled, skipping the pings for which `alive()` is
+        false; returns at once when the watchdog is off."""
         if self.watchdog_seconds is None:
             return
         while True:
-            self.ping_watchdog()
+            if alive is None or alive():
+                self.ping_watchdog()
             await asyncio.sleep(self.watchdog_seconds)
 
     def close(self) -> None:
