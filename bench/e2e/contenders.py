@@ -4,9 +4,11 @@
   accelerate        HF accelerate disk offload: from_pretrained(device_map, max_memory, offload_folder)
   gguf_mmap         the naive on-demand loader, bench.e2e.gguf_mmap_source (the "native GGUF path")
   storaged          storaged (O_DIRECT, io_parallelism 16, a host-RAM tier of the same bytes as the VRAM
-                    budget, inside the same RAM limit as every contender) through StoragedExpertSource
-  storaged_serial   storaged with io_parallelism 1 and no host tier: the published SGLang design's
-                    serial miss path (no prefetch: the client issues none in either mode yet)
+                    budget, inside the same RAM limit as every contender) through StoragedExpertSource:
+                    fused kernels, lookahead prefetch (2 x top-k), decode steps as CUDA graphs reading
+                    the slot map
+  storaged_serial   storaged with io_parallelism 1, no host tier, no lookahead, one acquire per layer:
+                    the published SGLang design's serial miss path
   llamacpp          llama.cpp's llama-bench on the same GGUF, -ngl 99 plus --n-cpu-moe for the layers whose
                     experts do not fit the budget (bench.e2e.llamacpp_command); not a torch model: the
                     runner hands it to bench.e2e.llamacpp_run
@@ -40,6 +42,7 @@ class BuiltContender:
     notes: list[str]
     cache_stats: Callable[[], tuple[int, int] | None] = lambda: None  # (hits, misses) so far
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    decoder: object | None = None  # a StaticDecoder that decodes instead of the model's KV cache loop
     # host RAM the contender allocated as its own expert cache (storaged's host tier): part of its
     # RAM budget already, so the page cache gets only the rest of the budget
     host_cache_bytes: int = 0
@@ -113,7 +116,7 @@ def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtyp
 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int, host_tier: bool) -> BuiltContender:
+              *, io_parallelism: int, host_tier: bool, fast_path: bool, static_len: int) -> BuiltContender:
     from bench.storaged_runs import StoragedProcess
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
@@ -135,28 +138,43 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
                              vram_bytes=max(budget, floor), io_parallelism=io_parallelism, host_bytes=host_bytes,
                              staging_buffers=max(io_parallelism, 2),
                              log_path=workdir / f"storaged-{io_parallelism}-{fraction}.log")
+    lookahead = 2 * model.shape.top_k if fast_path else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
-        loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
+        loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
                             expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
     except BaseException:
         daemon.stop(check=False)
         raise
+    decoder = None
+    if fast_path:
+        from inference.engine.decode_graph import StaticDecoder, why_not
+        from inference.engine.generate import _cache_keyword
+
+        decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
+                                       cache_keyword=_cache_keyword(loaded.model))
+        notes.append(f"lookahead {lookahead} experts/token; decode "
+                     + ("steps as CUDA graphs reading the slot map" if decoder and decoder.capture else
+                        "steps uncaptured through the slot map" if decoder else
+                        f"eager ({why_not(loaded.model, loaded.expert_source, device)})"))
+    else:
+        notes.append("no lookahead, eager decode with one acquire per layer (the serial design)")
 
     def cache_stats() -> tuple[int, int]:
         vram = daemon.client.stats().tiers["vram"]
         return vram.hits, vram.misses
 
     return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, cache_stats=cache_stats,
-                          closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes)
+                          closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes,
+                          decoder=decoder)
 
 
 def build_contender(name: str, model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
-                    workdir: Path) -> BuiltContender:
+                    workdir: Path, *, static_len: int = 4096) -> BuiltContender:
     """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped."""
     if name in IO_PARALLELISM:
         return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
-                         host_tier=HOST_TIER[name])
+                         host_tier=HOST_TIER[name], fast_path=name == "storaged", static_len=static_len)
     if name == "llamacpp":
         raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}

@@ -36,10 +36,17 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int) -> None:
+def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int, decoder=None) -> None:
     """Untimed: a 2-token prefill and two cached decode steps, so the kernels of both phases are
     compiled (triton) and chosen before the clock starts. A prefill alone left the first budget's
-    decode paying for the decode-shape kernels (third GPU run: 100% slower than 50%)."""
+    decode paying for the decode-shape kernels (third GPU run: 100% slower than 50%). With a
+    StaticDecoder, its decode step is captured as a CUDA graph here."""
+    if decoder is not None:
+        logits = decoder.start(prompt_ids(vocab_size, 2, seed=99)[0].tolist())
+        for _ in range(2):
+            logits = decoder.step(int(logits.argmax()))
+        synchronize(device)
+        return
     keyword = _cache_keyword(model)
     output = model(input_ids=prompt_ids(vocab_size, 2, seed=99).to(device), use_cache=True)
     for _ in range(2):
@@ -51,12 +58,17 @@ def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int) -> No
 @torch.inference_mode()
 def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size: int, prompt_len: int,
                      tokens: int, deadline: float, on_decode_start: Callable[[], None] | None = None,
-                     sample_seed: int | None = None, min_seconds: float = 0.0) -> dict:
+                     sample_seed: int | None = None, min_seconds: float = 0.0, decoder=None) -> dict:
     """prefill_seconds, decode_seconds, decoded (tokens), and the token ids (for cross-checks).
 
     sample_seed: None decodes greedily, else samples with that seed. The deadline is moved to
     `min_seconds` after the prefill starts when it is earlier: a slow cold start must not leave a
-    contender no time to decode."""
+    contender no time to decode. decoder: a StaticDecoder (inference.engine.decode_graph) runs the
+    prefill and the steps instead of the model's own KV cache loop."""
+    if decoder is not None:
+        return _static_generation(decoder, device, vocab_size=vocab_size, prompt_len=prompt_len, tokens=tokens,
+                                  deadline=deadline, on_decode_start=on_decode_start, sample_seed=sample_seed,
+                                  min_seconds=min_seconds)
     keyword = _cache_keyword(model)
     generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
 
@@ -88,3 +100,31 @@ def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size
     decode_seconds = time.perf_counter() - started
     return {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
             "decoded": len(generated) - 1, "token_ids": generated}
+
+
+def _static_generation(decoder, device: torch.device, *, vocab_size: int, prompt_len: int, tokens: int,
+                       deadline: float, on_decode_start, sample_seed: int | None, min_seconds: float) -> dict:
+    generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
+
+    def pick(logits: torch.Tensor) -> int:  # [vocab]
+        if generator is None:
+            return int(logits.argmax())
+        return int(torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator))
+
+    ids = prompt_ids(vocab_size, prompt_len)[0].tolist()
+    synchronize(device)
+    started = time.perf_counter()
+    deadline = max(deadline, started + min_seconds)
+    generated = [pick(decoder.start(ids))]
+    prefill_seconds = time.perf_counter() - started
+    if on_decode_start is not None:
+        on_decode_start()
+    redone_before = decoder.redone_steps
+    started = time.perf_counter()
+    for _ in range(tokens):
+        generated.append(pick(decoder.step(generated[-1])))
+        if time.perf_counter() > deadline and len(generated) > 2:
+            break
+    decode_seconds = time.perf_counter() - started
+    return {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds, "decoded": len(generated) - 1,
+            "token_ids": generated, "static_steps_redone": decoder.redone_steps - redone_before}

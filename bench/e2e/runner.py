@@ -58,7 +58,8 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         cgroup.set_limit(setup_ram_limit_bytes(spec["ram_overhead_bytes"], budget))
     result["page_cache_dropped"] = drop_page_cache()
     try:
-        built = build_contender(name, model, fraction, device, dtype, Path(spec["workdir"]))
+        built = build_contender(name, model, fraction, device, dtype, Path(spec["workdir"]),
+                                static_len=spec["prompt_len"] + spec["tokens"] + 8)
     except ContenderSkipped as exc:
         return result | {"skipped": str(exc)}
     try:
@@ -66,7 +67,7 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         vocab = built.model.config.vocab_size
         counter = ReadCounter(block_device_stat(model.bundle_dir), list(built.reader_pids))
         counter.start()
-        warm_up(built.model, device, vocab)
+        warm_up(built.model, device, vocab, built.decoder)
         result["warm_up_reads"] = counter.stop()
         # the warm-up's page faults read ahead far beyond the experts it used (a whole 4 GB GGUF at
         # 100%, second GPU session): dropped, so only a contender's own cache (storaged's VRAM slots of
@@ -85,7 +86,9 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
 
         run = timed_generation(built.model, device, vocab_size=vocab, prompt_len=spec["prompt_len"],
                                tokens=spec["tokens"], deadline=deadline, on_decode_start=on_decode_start,
-                               sample_seed=spec.get("sample_seed"), min_seconds=share / 2)
+                               sample_seed=spec.get("sample_seed"), min_seconds=share / 2, decoder=built.decoder)
+        if "static_steps_redone" in run:
+            result["static_steps_redone"] = run["static_steps_redone"]
         synchronize(device)
         decode_reads, after = counter.stop(), built.cache_stats()
     finally:

@@ -21,6 +21,7 @@ from inference.model import load_model
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DAEMON_DEVICE = "cuda:0" if DEVICE == "cuda" else "cpu"  # the arena on the model's device: the map is readable
 PROMPT = [3, 17, 42, 99, 7, 250, 11]
 TOKENS = 8
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,9 +48,9 @@ def eager_tokens(qwen_case):
                          ids=["every expert fits", "one layer's experts fit"])
 def test_static_decoder_greedy_tokens_equal_the_eager_decode(qwen_case, eager_tokens, cache_bytes, expect_redone):
     slots = None if cache_bytes == "64MiB" else int(cache_bytes)
-    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB") as _probe:
+    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as _probe:
         slot_bytes = _probe.info().slot_bytes
-    daemon = StoragedDaemon({"m": qwen_case.bundle},
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE,
                             vram_cache_bytes="64MiB" if slots is None else slots * slot_bytes)
     try:
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
@@ -73,7 +74,7 @@ def test_static_decoder_greedy_tokens_equal_the_eager_decode(qwen_case, eager_to
 
 
 def test_requests_longer_than_the_static_cache_decode_eagerly(qwen_case, eager_tokens):
-    daemon = StoragedDaemon({"m": qwen_case.bundle})
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
     try:
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
@@ -89,7 +90,7 @@ def test_requests_longer_than_the_static_cache_decode_eagerly(qwen_case, eager_t
     ("fused", "local", "publishes no slot map"),
 ])
 def test_why_not_names_the_reason(qwen_case, compute, source, reason):
-    daemon = StoragedDaemon({"m": qwen_case.bundle})
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
     try:
         factory = (LocalPackSource if source == "local"
                    else lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d))

@@ -1,0 +1,233 @@
+"""Where a decode step's time goes, per MoE layer, for storaged's paths and the resident model, in one run.
+
+    python bench/profile.py --shape qwen3 --layers 12 --device cuda --out /tmp/profile.json
+    python bench/profile.py --shape qwen3 --tiny --device cpu --modes storaged-eager   # smoke test
+
+Modes (each on the same synthesized model, every expert resident: the all-hit regime):
+  resident          every expert dequantized into transformers' own experts (grouped_mm)
+  storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder)
+  storaged-eager    storaged arena, one data-plane acquire per MoE layer, fused kernels, no graph
+  llamacpp          llama-bench -ngl 99 on the same GGUF (its own timing: per token only)
+
+For each mode: decode and prefill tokens/s, milliseconds per token, and, from torch.profiler over
+`--profile-steps` decode steps, device time per MoE layer by kind (experts GEMV, combine,
+dequantize, grouped GEMM, dense GEMM, attention, copies, other kernels), the share of the step the
+device is busy, and the host time spent acquiring experts. Prints a table last; --out keeps JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.e2e.generation import prompt_ids, synchronize, timed_generation, warm_up  # noqa: E402
+from bench.e2e.prepare import prepare_model  # noqa: E402
+from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
+
+MODES = ("resident", "storaged-graph", "storaged-eager", "llamacpp")
+# kernel name -> kind; the first pattern that matches wins
+KINDS = (
+    ("experts GEMV", r"moe_gemv"),
+    ("combine", r"moe_combine"),
+    ("dequantize", r"(q\d_k|q\d_\d|q8_0|mxfp4|ue8m0|f4_e2m1)_kernel|dequant"),
+    ("grouped GEMM", r"grouped|GroupMM|group_gemm"),
+    ("attention", r"flash|fmha|attention|sdpa|softmax"),
+    ("dense GEMM", r"gemm|gemv|cublas|cutlass|sm90_xmma|nvjet|dot_kernel"),
+    ("copies", r"^Memcpy|^Memset|copy_|CatArrayBatched"),
+    ("other kernels", r"."),
+)
+
+
+def classify(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other kernels"
+
+
+def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int):
+    """(torch model, decoder or None, source or None, closers)."""
+    if mode == "resident":
+        from bench.e2e.resident import load_resident
+
+        loaded, _ = load_resident(model.bundle_dir, device=device, dtype=dtype)
+        return loaded.model, None, None, [loaded.close]
+    from bench.e2e.contenders import STORAGED_MODEL, budget_bytes
+    from bench.storaged_runs import StoragedProcess
+    from inference.engine.decode_graph import StaticDecoder, why_not
+    from inference.engine.generate import _cache_keyword
+    from inference.experts.storaged_source import StoragedExpertSource
+    from inference.model import load_model
+
+    daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device="cpu" if device.type == "cpu" else
+                             f"cuda:{device.index or 0}", vram_bytes=budget_bytes(model, 1.0), io_parallelism=16,
+                             staging_buffers=16, log_path=workdir / f"profile-{mode}.log")
+    socket = str(daemon.socket_dir / "s.sock")
+    loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
+                        expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
+    decoder = None
+    if mode == "storaged-graph":
+        decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
+                                       cache_keyword=_cache_keyword(loaded.model))
+        if decoder is None:
+            raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
+    return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop]
+
+
+def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int) -> dict:
+    """Device time by kind over `steps` decode steps after a short prompt, and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ids = prompt_ids(vocab, 8)[0].tolist()
+    with torch.inference_mode():
+        if decoder is not None:
+            logits = decoder.start(ids)
+            step = lambda token: decoder.step(token)  # noqa: E731
+        else:
+            from bench.e2e.generation import _cache_keyword, _cache_of
+
+            keyword = _cache_keyword(model)
+            out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
+            state = {"cache": _cache_of(out)}
+            logits = out.logits[0, -1]
+
+            def step(token: int) -> torch.Tensor:
+                result = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+                               **{keyword: state["cache"]})
+                state["cache"] = _cache_of(result)
+                return result.logits[0, -1]
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                logits = step(int(logits.argmax()))
+            synchronize(device)
+            wall = time.perf_counter() - started
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0.0)
+        if device.type == "cuda" and device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = classify(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + device_us
+    return {"wall_s": wall, "device_us_by_kind": kinds}
+
+
+def _llamacpp(gguf: Path, binary: Path | None, prompt_len: int, tokens: int) -> dict:
+    if binary is None or not binary.exists():
+        return {"skipped": f"no llama-bench binary ({binary})"}
+    command = [str(binary), "-m", str(gguf), "-ngl", "99", "-p", str(prompt_len), "-n", str(tokens), "-r", "3",
+               "-o", "jsonl", "-fa", "1"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        return {"error": run.stderr[-2000:], "command": command}
+    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    out = {"command": command}
+    for record in records:
+        key = "decode" if record.get("n_gen") else "prefill"
+        out[f"{key}_tok_s"] = record.get("avg_ts")
+        out[f"{key}_ns_per_token"] = record.get("avg_ns", 0) / max(1, record.get("n_gen") or record.get("n_prompt"))
+    return out
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = (TINY_SHAPES if args.tiny else FULL_SHAPES)[args.shape]
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(shape, args.layers, workdir, with_bf16_checkpoint=False, balanced_routing=True)
+    results = {"shape": shape.name, "layers": args.layers, "moe_layers": model.moe_layers,
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "modes": {}}
+    for mode in args.modes:
+        if mode == "llamacpp":
+            results["modes"][mode] = _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
+                                               args.prompt_len, args.tokens)
+            continue
+        built, decoder, source, closers = _build(mode, model, device, dtype, workdir,
+                                                 args.prompt_len + args.tokens + 16)
+        try:
+            vocab = built.config.vocab_size
+            warm_up(built, device, vocab, decoder)
+            wait_before = source.expert_wait_seconds() if source is not None else 0.0
+            timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
+                                      tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder)
+            waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
+            profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps)
+        finally:
+            for close in closers:
+                close()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        record = {"decode_tok_s": timing["decoded"] / timing["decode_seconds"],
+                  "prefill_tok_s": args.prompt_len / timing["prefill_seconds"],
+                  "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
+                  "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
+                  **profiled}
+        if decoder is not None:
+            record["steps_redone"] = decoder.redone_steps
+        busy = sum(profiled["device_us_by_kind"].values()) / 1e6
+        record["device_busy_share"] = busy / profiled["wall_s"] if profiled["wall_s"] else None
+        record["per_layer_us"] = {k: v / args.profile_steps / model.moe_layers
+                                  for k, v in profiled["device_us_by_kind"].items()}
+        results["modes"][mode] = record
+    return results
+
+
+def report(results: dict) -> str:
+    lines = [f"{results['shape']}, {results['layers']} layers ({results['moe_layers']} MoE), {results['device']}",
+             f"{'mode':16s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'ms/token':>9s} {'busy':>5s}  per MoE layer (us)"]
+    for mode, r in results["modes"].items():
+        if "decode_tok_s" not in r:
+            lines.append(f"{mode:16s} {r.get('skipped') or r.get('error', '')[:100]}")
+            continue
+        busy = f"{100 * r['device_busy_share']:.0f}%" if r.get("device_busy_share") is not None else "-"
+        layer = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("per_layer_us", {}).items(), key=lambda kv: -kv[1]))
+        ms = r.get("ms_per_token", 1e3 / r["decode_tok_s"] if r.get("decode_tok_s") else 0)
+        prefill = r.get("prefill_tok_s") or 0
+        lines.append(f"{mode:16s} {r['decode_tok_s']:12.1f} {prefill:13.1f} {ms:9.3f} {busy:>5s}  {layer}")
+    peer = results["modes"].get("llamacpp", {})
+    for mode, r in results["modes"].items():
+        if mode != "llamacpp" and peer.get("decode_tok_s") and r.get("decode_tok_s"):
+            lines.append(f"{mode} / llama.cpp: decode {r['decode_tok_s'] / peer['decode_tok_s']:.3f}x, "
+                         f"prefill {r['prefill_tok_s'] / peer['prefill_tok_s']:.3f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(FULL_SHAPES), default="qwen3")
+    parser.add_argument("--tiny", action="store_true", help="the CPU smoke-test size of the shape")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--workdir", default=tempfile.gettempdir() + "/expertpack-profile")
+    parser.add_argument("--llamacpp-bin", default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results = run(args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The hot path on a GPU machine in one call: correctness of the fast path, then where a decode step's
+# time goes for storaged (graph and eager), the resident model and llama.cpp on the same GGUF.
+#   (1) carried wheels (.whl/) into /tmp/site; (2) llama.cpp built in the background when its source
+#   is carried (.llamacpp/, bench/llamacpp/pack_source.sh), its binary packed into $OUT/llamacpp for
+#   reuse; (3) the fast path's tests on the GPU; (4) bench/profile.py on the Qwen3-like shape.
+# Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
+#   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_hotpath}
+mkdir -p "$OUT/logs"
+SITE=/tmp/site
+failed=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        > "$OUT/logs/install.log" 2>&1 || failed=1
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | sed -n 2p
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} > "$OUT/logs/machine.txt" 2>&1
+
+LLAMA_BIN=""
+if [[ -f .llamacpp/llama.cpp-src.tar.gz || -d .llamacpp/pack ]]; then
+    (nice -n 10 bench/llamacpp/build.sh --jobs "${GPU_HOTPATH_LLAMA_JOBS:-10}" --out "$OUT/llamacpp" \
+        > "$OUT/logs/llamacpp-build.log" 2>&1; echo $? > /tmp/llamacpp-build.rc) &
+    LLAMA_PID=$!
+fi
+
+echo "=== GPU tests of the fast path"
+timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
+    tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py \
+    tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
+    "tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager" \
+    2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -25
+((PIPESTATUS[0] != 0)) && failed=1
+
+if [[ -n "${LLAMA_PID:-}" ]]; then
+    echo "=== waiting for the llama.cpp build"
+    wait "$LLAMA_PID"
+    if [[ "$(cat /tmp/llamacpp-build.rc 2>/dev/null)" == 0 ]]; then LLAMA_BIN=.llamacpp/bin/llama-bench; else
+        echo "llama.cpp build failed: $(tail -5 "$OUT/logs/llamacpp-build.log")"; failed=1; fi
+fi
+
+echo "=== profile"
+timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/profile.py --device cuda \
+    --out "$OUT/profile.json" ${LLAMA_BIN:+--llamacpp-bin "$LLAMA_BIN"} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile.log" | tail -20
+((PIPESTATUS[0] != 0)) && failed=1
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $failed
