@@ -3,7 +3,7 @@
 # time goes for storaged (graph and eager), the resident model and llama.cpp on the same GGUF.
 #   (1) carried wheels (.whl/) into /tmp/site; (2) llama.cpp built in the background when its source
 #   is carried (.llamacpp/, bench/llamacpp/pack_source.sh), its binary packed into $OUT/llamacpp for
-#   reuse; (3) the fast path's tests on the GPU; (4) bench/profile.py on the Qwen3-like shape.
+#   reuse; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
@@ -30,7 +30,7 @@ if [[ -f .llamacpp/llama.cpp-src.tar.gz || -d .llamacpp/pack ]]; then
 fi
 
 echo "=== GPU tests of the fast path"
-timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
+timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
     tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py \
     tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
     "tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager" \
@@ -45,7 +45,7 @@ if [[ -n "${LLAMA_PID:-}" ]]; then
 fi
 
 echo "=== profile"
-timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/profile.py --device cuda \
+timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda \
     --out "$OUT/profile.json" ${LLAMA_BIN:+--llamacpp-bin "$LLAMA_BIN"} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile.log" | tail -20
 ((PIPESTATUS[0] != 0)) && failed=1
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

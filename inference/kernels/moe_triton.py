@@ -98,6 +98,8 @@ def moe_combine_kernel(y_ptr, y_stride, w_ptr, order_ptr, out_ptr, out_stride, H
         p = t * K + tl.load(order_ptr + t * K + j).to(tl.int64)
         y = tl.load(y_ptr + p * y_stride + h, mask=hmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + p).to(tl.float32)
-        c = qd.round_weights(y * w, WR, INTERP)
-        acc = qd.round_weights(acc + c, WR, INTERP)
+        # rounded on the float32 bits: left as casts, the compiler turns this chain into native
+        # bfloat16 mul/add instructions, whose results differed from eager's (seen on an H200)
+        c = qd.round_weights(y * w, WR, True)
+        acc = qd.round_weights(acc + c, WR, True)
     tl.store(out_ptr + t * out_stride + h, acc.to(out_ptr.dtype.element_ty), mask=hmask)

@@ -34,12 +34,13 @@ ROUND_NONE, ROUND_BF16, ROUND_F16 = 0, 1, 2
 
 
 @triton.jit
-def round_weights(v, WR: tl.constexpr, INTERP: tl.constexpr):
+def round_weights(v, WR: tl.constexpr, BITWISE: tl.constexpr):
     """float32 values rounded to the model dtype and widened back (exactly what a bf16/f16
-    tensor of them holds). The interpreter's float32 -> bfloat16 cast truncates, so there the
-    round-to-nearest-even is done on the bits (NaN kept as NaN)."""
+    tensor of them holds). BITWISE does the bfloat16 round-to-nearest-even on the bits (NaN kept
+    as NaN): triton's interpreter truncates in its cast, and on the GPU a cast feeding an add or
+    a multiply lets the compiler compute it in bfloat16 instead."""
     if WR == 1:
-        if INTERP:
+        if BITWISE:
             bits = v.to(tl.uint32, bitcast=True)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, per MoE layer, for storaged's paths and the resident model, in one run.
 
-    python bench/profile.py --shape qwen3 --layers 12 --device cuda --out /tmp/profile.json
-    python bench/profile.py --shape qwen3 --tiny --device cpu --modes storaged-eager   # smoke test
+    python bench/layer_profile.py --shape qwen3 --layers 12 --device cuda --out /tmp/profile.json
+    python bench/layer_profile.py --shape qwen3 --tiny --device cpu --modes storaged-eager   # smoke test
 
 Modes (each on the same synthesized model, every expert resident: the all-hit regime):
   resident          every expert dequantized into transformers' own experts (grouped_mm)
