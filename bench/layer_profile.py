@@ -116,6 +116,7 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int)
             synchronize(device)
             wall = time.perf_counter() - started
     kinds: dict[str, float] = {}
+    kernels = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
@@ -123,7 +124,20 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int)
         if device.type == "cuda" and device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
             kind = classify(event.key)
             kinds[kind] = kinds.get(kind, 0.0) + device_us
-    return {"wall_s": wall, "device_us_by_kind": kinds}
+            kernels.append((event.key[:90], device_us / steps, event.count / steps))
+    kernels.sort(key=lambda k: -k[1])
+    return {"wall_s": wall, "device_us_by_kind": kinds, "kernels_per_step": sum(k[2] for k in kernels),
+            "top_kernels_us_per_step": [[name, round(us, 1), round(count, 1)] for name, us, count in kernels[:25]]}
+
+
+def _prewarm(source, bundle_dir) -> None:
+    """Acquire every expert of every layer once: the all-hit regime starts with all of them resident."""
+    from packtools.bundle import open_bundle
+
+    with open_bundle(bundle_dir) as bundle:
+        layers, experts = list(bundle.pack.layers), bundle.pack.header.expert_count
+    for layer in layers:
+        source.acquire_rows(layer, list(range(experts)))
 
 
 def _llamacpp(gguf: Path, binary: Path | None, prompt_len: int, tokens: int) -> dict:
@@ -162,6 +176,8 @@ def run(args) -> dict:
                                                  args.prompt_len + args.tokens + 16)
         try:
             vocab = built.config.vocab_size
+            if source is not None:
+                _prewarm(source, model.bundle_dir)
             warm_up(built, device, vocab, decoder)
             wait_before = source.expert_wait_seconds() if source is not None else 0.0
             timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
@@ -205,6 +221,10 @@ def report(results: dict) -> str:
         if mode != "llamacpp" and peer.get("decode_tok_s") and r.get("decode_tok_s"):
             lines.append(f"{mode} / llama.cpp: decode {r['decode_tok_s'] / peer['decode_tok_s']:.3f}x, "
                          f"prefill {r['prefill_tok_s'] / peer['prefill_tok_s']:.3f}x")
+    for mode, r in results["modes"].items():
+        if r.get("top_kernels_us_per_step"):
+            lines.append(f"{mode}: {r['kernels_per_step']:.0f} kernels per step; top: " + "; ".join(
+                f"{name} {us}us x{count}" for name, us, count in r["top_kernels_us_per_step"][:8]))
     return "\n".join(lines)
 
 

@@ -151,24 +151,21 @@ def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, 
                                  expert_counts, index.to(torch.int64), rows.arena, rows.stride)
     lut = torch.full((binding.plan.target.num_experts,), -1, dtype=torch.int32, device=device)  # expert -> row
     lut[unique] = index
-    pair_slots = lut[top_k_index.reshape(-1)]  # [T*k]
-    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, pair_slots, rows.arena, rows.stride)
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lut, rows.arena, rows.stride)
 
 
-def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_slots, arena,
-           stride) -> torch.Tensor:
+def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, slot_map, arena,
+           stride, misses: torch.Tensor | None = None) -> torch.Tensor:
     from inference.experts import fused as F
 
     if binding.fused is not None:
         return F.pair_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
-                              pair_slots, arena, stride)
-    return F.gather_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, pair_slots, arena,
-                            stride)
+                              slot_map, arena, stride, misses)
+    return F.gather_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, slot_map, arena,
+                            stride, misses)
 
 
 def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    lookup = binding.lookup
-    pair_slots = lookup.layer_map[top_k_index.reshape(-1)]  # int32 [T*k], -1 where absent
-    lookup.misses.add_((pair_slots < 0).sum(dtype=torch.int32))  # read by the caller after the step
-    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, pair_slots, lookup.arena,
-                  lookup.stride)
+    lookup = binding.lookup  # this layer's row of the slot map; absent experts counted in lookup.misses
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lookup.layer_map, lookup.arena,
+                  lookup.stride, lookup.misses)

@@ -70,15 +70,10 @@ def fused_plan(plan: LayerPlan) -> tuple[FusedPlan | None, str | None]:
     return FusedPlan(segments, layout, biases, down, plan.down.bias), None
 
 
-def _bias_rows(group: WeightGroup, plan: LayerPlan, rows: torch.Tensor) -> torch.Tensor:
-    """[n, out] bias values of each row's object, in the module's dtype."""
-    return plan.materialize_group_rows(group, rows)
-
-
 def _add_bias(out: torch.Tensor, groups, plan: LayerPlan, rows: torch.Tensor) -> torch.Tensor:
     if not groups:
         return out
-    bias = torch.cat([_bias_rows(g, plan, rows) for g in groups], dim=1)  # [P, out]
+    bias = torch.cat([plan.materialize_group_rows(g, rows) for g in groups], dim=1)  # [P, out]
     return out + bias  # eager adds the bias to the rounded matmul output, as F.linear's epilogue does not
 
 
@@ -88,24 +83,25 @@ def _activate(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, gate_u
 
 
 def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_slots: torch.Tensor,
-                 arena: torch.Tensor, stride: int) -> torch.Tensor:
-    """[T, H]: the experts' combined output, pair p = (token p // k, its p % k-th expert) computed
-    from the object at row pair_slots[p] (int32 [T*k]) of `arena` (rows of `stride` bytes)."""
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
+                 arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H]: the experts' combined output; pair p = (token p // k, its p % k-th expert), the
+    expert's object at row slot_map[expert] (int32 [E]; -1: absent, counted in `misses`) of
+    `arena` (rows of `stride` bytes). Four kernels when the module's activation is plain."""
     tokens, top_k = top_k_index.shape
-    pair_tokens = torch.arange(tokens * top_k, device=x.device, dtype=torch.int32) // top_k  # [P]
-    parts = [moe_gemv(x, pair_slots, arena, stride, w, tokens=pair_tokens) for w in fused.up]  # [P, rows_i]
+    experts = top_k_index.reshape(-1)  # [P] int64, p = token * k + slot
+    parts = [moe_gemv(x, experts, slot_map, arena, stride, w, top_k=top_k, misses=misses if i == 0 else None)
+             for i, w in enumerate(fused.up)]  # [P, rows_i]
     gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [P, 2I] (or [P, I])
-    needs_rows = fused.up_biases or fused.down_bias is not None or getattr(module, "has_post_expert_norm", False)
-    rows = _pair_rows(pair_slots, arena, stride) if needs_rows else None
+    needs_rows = fused.up_biases or fused.down_bias is not None
+    rows = _pair_rows(slot_map[experts], arena, stride) if needs_rows else None
     gate_up = _add_bias(gate_up, fused.up_biases, plan, rows)
     hidden = _activate(module, plan, fused, gate_up)  # [P, I]
-    down = moe_gemv(hidden, pair_slots, arena, stride, fused.down)  # [P, H]
+    down = moe_gemv(hidden, experts, slot_map, arena, stride, fused.down, top_k=top_k, x_per_pair=True)  # [P, H]
     down = _add_bias(down, (fused.down_bias,) if fused.down_bias is not None else (), plan, rows)
     if getattr(module, "has_post_expert_norm", False):
         down = module.post_expert_norm(down)
-    order = torch.argsort(top_k_index, dim=1, stable=True)  # [T, k] slots by ascending expert id
-    return moe_combine(down, top_k_weights, order)
+    return moe_combine(down, top_k_weights, top_k_index)
 
 
 def _pair_rows(pair_slots: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
@@ -116,20 +112,22 @@ def _pair_rows(pair_slots: torch.Tensor, arena: torch.Tensor, stride: int) -> to
 
 
 def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor, pair_slots: torch.Tensor, arena: torch.Tensor,
-                   stride: int) -> torch.Tensor:
+                   top_k_weights: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor,
+                   stride: int, misses: torch.Tensor | None = None) -> torch.Tensor:
     """pair_forward for weights the GEMV cannot read in place (block-scaled, in_out): each pair's
     object is copied out of its slot and dequantized, then one batched matmul per projection.
     Also free of host syncs (capturable), at the cost of dequantizing per pair."""
     from inference.experts.forward import expert_outputs  # the eager arithmetic, one row per pair
 
+    pair_slots = slot_map[top_k_index.reshape(-1)]  # int32 [P]
+    if misses is not None:
+        misses.add_((pair_slots < 0).sum(dtype=torch.int32))
     rows = _pair_rows(pair_slots, arena, stride)  # uint8 [P, stride]
     weights = plan.materialize_rows(rows)  # name -> [P, ...]
     tokens, top_k = top_k_index.shape
     pair_tokens = torch.arange(tokens * top_k, device=x.device) // top_k  # [P]
     out = expert_outputs(module, plan, x[pair_tokens], weights, None)  # [P, H]
-    order = torch.argsort(top_k_index, dim=1, stable=True)
-    return moe_combine(out, top_k_weights, order)
+    return moe_combine(out, top_k_weights, top_k_index)
 
 
 def grouped_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
@@ -149,5 +147,4 @@ def grouped_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, t
     out = expert_outputs(module, plan, sorted_x, weights, offsets)  # [S, H], sorted
     by_pair = torch.empty_like(out)
     by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
-    order = torch.argsort(top_k_index, dim=1, stable=True)
-    return moe_combine(by_pair, top_k_weights, order)
+    return moe_combine(by_pair, top_k_weights, top_k_index)

@@ -55,47 +55,60 @@ def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl
 
 
 @triton.jit
-def moe_gemv_kernel(x_ptr, x_stride, token_ptr, slot_ptr, arena_ptr, slot_bytes,
+def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, slot_bytes,
                     off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
-                    QT: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, WR: tl.constexpr,
-                    INTERP: tl.constexpr, TOKEN_IS_PAIR: tl.constexpr):
-    """out[p, n] = sum_k W[n, k] x[token[p], k] with W the weight of the object in slot[p].
+                    QT: tl.constexpr, NB: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WR: tl.constexpr, INTERP: tl.constexpr, TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr,
+                    COUNT_MISSES: tl.constexpr):
+    """out[p, n] = sum_k W[n, k] x[row, k] with W the weight of pair p's expert, row = p's token
+    (p // TOP_K), or p itself when X_PER_PAIR (x holds one row per pair).
 
-    Rows n < n_split start at byte off1 + n * row_bytes of the object, the others at
-    off2 + (n - n_split) * row_bytes. A negative slot (the expert is not resident) reads slot 0
-    instead: the result is garbage, and the caller, which saw the negative slot, discards it.
+    Pair p's expert is expert_ptr[p] (top_k_index flattened), found at slot map_ptr[expert] (a row
+    of storaged's slot map, or a table of just-acquired slots). Rows n < n_split start at byte
+    off1 + n * row_bytes of the object, the others at off2 + (n - n_split) * row_bytes. A negative
+    slot (the expert is not resident) is counted in miss_ptr (COUNT_MISSES) and reads slot 0
+    instead: the result is garbage, and the caller, who sees the count, discards it.
     """
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
     nmask = n < N
-    slot = tl.maximum(tl.load(slot_ptr + p), 0).to(tl.int64)
-    if TOKEN_IS_PAIR:
+    slot = tl.load(map_ptr + tl.load(expert_ptr + p))
+    if COUNT_MISSES:
+        tl.atomic_add(miss_ptr, 1, mask=(slot < 0) & (tl.program_id(1) == 0))
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    if X_PER_PAIR:
         token = p
     else:
-        token = tl.load(token_ptr + p).to(tl.int64)
+        token = p // TOP_K
     n64 = n.to(tl.int64)
     row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
     row = (arena_ptr + slot * slot_bytes + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     x_row = x_ptr + token * x_stride
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for kb in range(0, nblk, NB):
-        acc += _dot(QT, row, kb, nblk, x_row, nmask[:, None], NB, WR, INTERP)
+    rmask = nmask[:, None]
+    # products accumulate as a tile; one reduction after the loop, not one per step
+    acc = _dot(QT, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
+    for kb in range(NB, nblk, NB):
+        acc += _dot(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     # the matmul's output dtype is the model's: round as cuBLAS does (to nearest even)
-    out = qd.round_weights(acc, WR, INTERP)
+    out = qd.round_weights(qd.reduce_tile(acc, RANK), WR, INTERP)
     tl.store(out_ptr + p * out_stride + n, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, y_stride, w_ptr, order_ptr, out_ptr, out_stride, H,
-                       K: tl.constexpr, BLOCK_H: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """out[t, h] = ((0 + c1) + c2) + ... with c = round(y[p, h] * w[p]), p over token t's pairs
-    in ascending expert order (order[t] = those pairs' positions within the token's k)."""
+def moe_combine_kernel(y_ptr, y_stride, w_ptr, expert_ptr, out_ptr, out_stride, H,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, WR: tl.constexpr):
+    """out[t, h] = ((0 + c1) + c2) + ... with c = round(y[p, h] * w[p]), p over token t's K pairs
+    in ascending expert id (ranked here from expert_ptr, top_k_index [T, K]; KP = K rounded up
+    to a power of two)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
+    j = tl.arange(0, KP)
+    experts = tl.load(expert_ptr + t * K + j, mask=j < K, other=2**62)  # [KP], padding sorts last
+    rank = tl.sum((experts[None, :] < experts[:, None]).to(tl.int32), axis=1)  # [KP] place of each pair
     acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(K):
-        p = t * K + tl.load(order_ptr + t * K + j).to(tl.int64)
+    for r in tl.static_range(K):
+        p = t * K + tl.sum(tl.where(rank == r, j, 0))  # the pair with the r-th smallest expert id
         y = tl.load(y_ptr + p * y_stride + h, mask=hmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + p).to(tl.float32)
         # rounded on the float32 bits: left as casts, the compiler turns this chain into native

@@ -22,16 +22,17 @@ import torch
 from packtools.pack import RoleEntry
 from packtools.pack.constants import ElementType, block_shape
 
-# element type -> (kernel type code, blocks per step); a float "block" is one element
-_TYPE_CODES: dict[ElementType, tuple[int, int]] = {
-    ElementType.F32: (0, 64), ElementType.F16: (1, 64), ElementType.BF16: (2, 64),
-    ElementType.Q8_0: (3, 8), ElementType.Q4_0: (4, 8), ElementType.Q4_1: (5, 8),
-    ElementType.Q5_0: (6, 8), ElementType.Q5_1: (7, 8), ElementType.MXFP4: (8, 8),
-    ElementType.Q2_K: (9, 1), ElementType.Q3_K: (10, 1), ElementType.Q4_K: (11, 1),
-    ElementType.Q5_K: (12, 1), ElementType.Q6_K: (13, 1),
+# element type -> (kernel type code, blocks per step, rank of its product tile); a float "block"
+# is one element
+_TYPE_CODES: dict[ElementType, tuple[int, int, int]] = {
+    ElementType.F32: (0, 64, 2), ElementType.F16: (1, 64, 2), ElementType.BF16: (2, 64, 2),
+    ElementType.Q8_0: (3, 8, 3), ElementType.Q4_0: (4, 8, 3), ElementType.Q4_1: (5, 8, 3),
+    ElementType.Q5_0: (6, 8, 3), ElementType.Q5_1: (7, 8, 3), ElementType.MXFP4: (8, 8, 3),
+    ElementType.Q2_K: (9, 1, 4), ElementType.Q3_K: (10, 1, 4), ElementType.Q4_K: (11, 1, 3),
+    ElementType.Q5_K: (12, 1, 3), ElementType.Q6_K: (13, 1, 4),
 }
 GEMV_TYPES = frozenset(_TYPE_CODES)
-_ROUNDING = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # quant_dot.ROUND_*
+ROUNDING = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # dtype -> quant_dot.ROUND_* code
 GEMV_BLOCK_N = 32  # output rows per program
 COMBINE_BLOCK_H = 256
 
@@ -55,7 +56,7 @@ def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         return f"the fused kernels need CUDA (the model runs on {device})"
-    if dtype not in _ROUNDING:
+    if dtype not in ROUNDING:
         return f"the fused kernels compute in bfloat16, float16 or float32, not {dtype}"
     if triton_module() is None:
         return f"triton does not import: {_triton_error}"
@@ -85,6 +86,10 @@ class GemvWeight:
         return _TYPE_CODES[self.element_type][1]
 
     @property
+    def tile_rank(self) -> int:
+        return _TYPE_CODES[self.element_type][2]
+
+    @property
     def blocks_per_row(self) -> int:
         elements, _ = block_shape(self.element_type)
         return self.cols // elements
@@ -112,36 +117,40 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def moe_gemv(x: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot_bytes: int, weight: GemvWeight, *,
-             tokens: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[P, rows]: row p is W(slot p) · x[tokens[p]] (x[p] when tokens is None).
+def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor, slot_bytes: int,
+             weight: GemvWeight, *, top_k: int, x_per_pair: bool = False, misses: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair).
 
-    x: [T, cols] in the model dtype (unit stride along cols); slots: int32 [P] (negative: not
-    resident; its row is garbage); arena: uint8 [slot_count * slot_bytes (+ anything after)].
+    experts: int64 [P], top_k_index flattened (pair p = token p // top_k); slot_map: int32 [E],
+    the slot of each expert (-1: not resident, its row is garbage, and it is counted in
+    `misses`, int32 [1], when given); x: [rows of x, cols] in the model dtype (unit stride along
+    cols); arena: uint8 [slot_count * slot_bytes (+ anything after)].
     """
     module = triton_module()
     assert module is not None, "moe_gemv without triton: check fused_unavailable_reason first"
     out_dtype = out_dtype or x.dtype
-    pairs = slots.shape[0]
+    pairs = experts.shape[0]
     assert x.stride(-1) == 1 and x.shape[-1] == weight.cols, (tuple(x.shape), weight)
     out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
     if pairs == 0:
         return out
     grid = (pairs, -(-weight.rows // GEMV_BLOCK_N))
     module.moe_gemv_kernel[grid](
-        x, x.stride(0), tokens if tokens is not None else slots, slots, arena, slot_bytes,
+        x, x.stride(0), experts, slot_map, misses if misses is not None else slot_map, arena, slot_bytes,
         weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
         out, out.stride(0), weight.rows,
-        QT=weight.code, NB=weight.blocks_per_step, BLOCK_N=GEMV_BLOCK_N, WR=_ROUNDING[out_dtype],
-        INTERP=_interpreted(), TOKEN_IS_PAIR=tokens is None, num_warps=4,
+        QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=GEMV_BLOCK_N,
+        WR=ROUNDING[out_dtype], INTERP=_interpreted(), TOP_K=top_k, X_PER_PAIR=x_per_pair,
+        COUNT_MISSES=misses is not None, num_warps=4,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out
 
 
-def moe_combine(y: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """[T, H]: per token, the sum over its k pairs (rows of y [T*k, H]) in the order `order`
-    [T, k] gives (positions within the token's k, ascending expert id), each term y * weight."""
+def moe_combine(y: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """[T, H]: per token, the sum over its k pairs (rows of y [T*k, H]) in ascending expert id
+    (top_k_index [T, k]), each term y * weight (top_k_weights [T, k])."""
     module = triton_module()
     assert module is not None, "moe_combine without triton"
     tokens, top_k = top_k_weights.shape
@@ -149,9 +158,8 @@ def moe_combine(y: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tenso
     out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)  # [T, H]
     if tokens == 0:
         return out
-    weights = top_k_weights.contiguous()
     grid = (tokens, -(-hidden // COMBINE_BLOCK_H))
     module.moe_combine_kernel[grid](
-        y, y.stride(0), weights, order.to(torch.int32).contiguous(), out, out.stride(0), hidden,
-        K=top_k, BLOCK_H=COMBINE_BLOCK_H, WR=_ROUNDING[y.dtype], INTERP=_interpreted(), num_warps=4)
+        y, y.stride(0), top_k_weights.contiguous(), top_k_index.contiguous(), out, out.stride(0), hidden,
+        K=top_k, KP=1 << (top_k - 1).bit_length(), BLOCK_H=COMBINE_BLOCK_H, WR=ROUNDING[y.dtype], num_warps=4)
     return out

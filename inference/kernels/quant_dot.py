@@ -3,8 +3,10 @@
 Each `dot_<type>` reads one step of a tile of weight rows in their GGML block format, dequantizes
 them with gguf-py's arithmetic (the same formulas as inference.dequant's kernels: bit-exact
 float32 values), rounds each weight to the model's dtype (what a resident model holds after
-loading the dequantized tensor), and returns the float32 partial dot products with the matching
-activations. Nothing is written to memory: the weights are read once, in place, from the slot.
+loading the dequantized tensor), and returns the float32 products with the matching activations
+as a tile (not yet summed: the caller accumulates tiles across steps and reduces once at the
+end, `reduce_tile`, rather than paying a cross-thread reduction every step). Nothing is written
+to memory: the weights are read once, in place, from the slot.
 
 Common arguments:
     row    [BN, 1] uint8 pointers to the first byte of each weight row
@@ -12,7 +14,7 @@ Common arguments:
     nblk   blocks per row (the step's tail beyond it is masked)
     x_row  pointer to the activation row (model dtype), element k = x_row[k]
     rmask  [BN, 1] rows that exist
-Returns float32 [BN].
+Returns a float32 tile whose first dimension is BN (its other dimensions depend on the type).
 
 A weight row's K elements are split into blocks; elements are visited in a permuted order that
 follows the packed bytes, and the activations are loaded at the same element indices, so the
@@ -63,15 +65,14 @@ def _x_all(x_row, offsets):
 
 
 @triton.jit
-def _sum3(v):
-    """[BN, A, B] -> [BN]."""
-    return tl.sum(tl.sum(v, axis=2), axis=1)
-
-
-@triton.jit
-def _sum4(v):
-    """[BN, A, B, C] -> [BN]."""
-    return tl.sum(tl.sum(tl.sum(v, axis=3), axis=2), axis=1)
+def reduce_tile(tile, RANK: tl.constexpr):
+    """[BN, ...] (RANK dimensions) -> [BN]: the sum over everything but the rows."""
+    if RANK == 4:
+        return tl.sum(tl.sum(tl.sum(tile, axis=3), axis=2), axis=1)
+    elif RANK == 3:
+        return tl.sum(tl.sum(tile, axis=2), axis=1)
+    else:
+        return tl.sum(tile, axis=1)
 
 
 # ---- plain floats: a "block" is one element -----------------------------------------------------
@@ -90,7 +91,7 @@ def dot_float(row, kb, nblk, x_row, rmask, ELEM: tl.constexpr, NB: tl.constexpr,
     else:
         w = tl.load((row + k * 2).to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0).to(tl.float32)
     w = round_weights(w, WR, INTERP)
-    return tl.sum(w * _x(x_row, k, kmask), axis=1)
+    return w * _x(x_row, k, kmask)  # [BN, NB]
 
 
 # ---- 32-element block types: a [BN, NB, 16] tile of payload bytes per step ----------------------
@@ -111,7 +112,7 @@ def _halves_dot(low, high, x_row, xoff, xmask, WR: tl.constexpr, INTERP: tl.cons
     """Elements 0..15 of each block from `low`, 16..31 from `high`, dotted with x."""
     low = round_weights(low, WR, INTERP)
     high = round_weights(high, WR, INTERP)
-    return _sum3(low * _x(x_row, xoff, xmask) + high * _x(x_row, xoff + 16, xmask))
+    return low * _x(x_row, xoff, xmask) + high * _x(x_row, xoff + 16, xmask)  # [BN, NB, 16]
 
 
 @triton.jit
@@ -215,12 +216,13 @@ def dot_q4_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
     pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
     i = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
     packed = load_bytes(base + 16 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
-    acc = tl.zeros([base.shape[0]], tl.float32)
+    acc = None
     for nibble in tl.static_range(2):
         scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
         q = ((packed >> (4 * nibble)) & 0x0F).to(tl.float32)
         w = round_weights(scale * q - offset, WR, INTERP)
-        acc += _sum3(w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i))
+        term = w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i)  # [BN, 4, 32]
+        acc = term if nibble == 0 else acc + term
     return acc
 
 
@@ -234,13 +236,14 @@ def dot_q5_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
     i = tl.arange(0, 32)[None, None, :]
     packed = load_bytes(base + 48 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
     high_bits = load_bytes(base + 16 + i, mask)  # i32 [BN, 1, 32]
-    acc = tl.zeros([base.shape[0]], tl.float32)
+    acc = None
     for nibble in tl.static_range(2):
         sub = 2 * pair + nibble  # [1, 4, 1]
         scale, offset = _k_scales(base, sub, mask)
         q = ((packed >> (4 * nibble)) & 0x0F) | (((high_bits >> sub) & 0x01) << 4)
         w = round_weights(scale * q.to(tl.float32) - offset, WR, INTERP)
-        acc += _sum3(w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i))
+        term = w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i)  # [BN, 4, 32]
+        acc = term if nibble == 0 else acc + term
     return acc
 
 
@@ -257,14 +260,15 @@ def dot_q6_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
     t = tl.arange(0, 16)[None, None, None, :]
     low_bits = load_bytes(base + 64 * h + 16 * j + t, mask)  # i32 [BN, 2, 4, 16]
     high_bits = load_bytes(base + 128 + 32 * h + 16 * (j % 2) + t, mask)
-    acc = tl.zeros([base.shape[0]], tl.float32)
+    acc = None
     for n in tl.static_range(2):
         sub = 8 * h + 4 * n + j  # [1, 2, 4, 1]
         sub_scale = tl.load(base + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True)
         scale = d * sub_scale.to(tl.float32)  # f32 [BN, 2, 4, 1]
         q = ((low_bits >> (4 * n)) & 0x0F) | (((high_bits >> (2 * (2 * n + j // 2))) & 0x03) << 4)
         w = round_weights(scale * (q - 32).to(tl.float32), WR, INTERP)
-        acc += _sum4(w * _x_all(x_row, x0 + 128 * h + 64 * n + 16 * j + t))
+        term = w * _x_all(x_row, x0 + 128 * h + 64 * n + 16 * j + t)  # [BN, 2, 4, 16]
+        acc = term if n == 0 else acc + term
     return acc
 
 
@@ -288,14 +292,15 @@ def dot_q2_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
     dmin = load_fp16_as_f32(base + 82, mask)
     h, half, t = _crumbs(base, mask)
     packed = load_bytes(base + 16 + 32 * h + 16 * half + t, mask)  # i32 [BN, 2, 2, 16]
-    acc = tl.zeros([base.shape[0]], tl.float32)
+    acc = None
     for sh in tl.static_range(4):
         scales = load_bytes(base + 8 * h + 2 * sh + half, mask)  # i32 [BN, 2, 2, 1]
         scale = d * (scales & 0x0F).to(tl.float32)
         offset = dmin * (scales >> 4).to(tl.float32)
         q = ((packed >> (2 * sh)) & 0x03).to(tl.float32)
         w = round_weights(scale * q - offset, WR, INTERP)
-        acc += _sum4(w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t))
+        term = w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t)  # [BN, 2, 2, 16]
+        acc = term if sh == 0 else acc + term
     return acc
 
 
@@ -309,7 +314,7 @@ def dot_q3_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
     h, half, t = _crumbs(base, mask)
     packed = load_bytes(base + 32 + 32 * h + 16 * half + t, mask)  # i32 [BN, 2, 2, 16]
     hmask = load_bytes(base + 16 * half + t, mask)  # i32 [BN, 1, 2, 16]
-    acc = tl.zeros([base.shape[0]], tl.float32)
+    acc = None
     for sh in tl.static_range(4):
         sub = 8 * h + 2 * sh + half  # [1, 2, 2, 1]
         low = load_bytes(base + 96 + sub % 8, mask)
@@ -319,5 +324,6 @@ def dot_q3_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, IN
         no_offset = (hmask >> (4 * h + sh)) & 0x01
         q = ((packed >> (2 * sh)) & 0x03) - ((no_offset ^ 1) << 2)
         w = round_weights(scale * q.to(tl.float32), WR, INTERP)
-        acc += _sum4(w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t))
+        term = w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t)  # [BN, 2, 2, 16]
+        acc = term if sh == 0 else acc + term
     return acc

@@ -107,6 +107,10 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
                      fused_kernels=fused_kernels)
         if lookahead:
             attach_lookahead(model, bindings, source, per_token=lookahead)
+        if fused_kernels and device.type == "cuda":
+            from inference.model.fast_norms import fuse_rms_norms
+
+            fuse_rms_norms(model, dtype)
         select_expertpack(model)
     except BaseException:
         bundle.close()

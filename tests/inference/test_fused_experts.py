@@ -61,12 +61,18 @@ def test_gemv_equals_float64_dot_of_rounded_weights(element_type):
                           RoleEntry(Role.UP, int(element_type), second, nbytes, (rows, cols))], rows=2 * rows, cols=cols)
     assert weight is not None
     x = torch.randn(3, cols).bfloat16()
-    pair_slots = torch.tensor([2, 0, 1, 2, 1], dtype=torch.int32)
-    tokens = torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32)
-    got = moe_gemv(x.to(DEVICE), pair_slots.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
-                   tokens=tokens.to(DEVICE)).cpu()
+    experts = torch.tensor([4, 0, 1, 2, 3, 4], dtype=torch.int64)  # top_k 2: tokens 0, 0, 1, 1, 2, 2
+    slot_of = torch.tensor([0, 1, -1, 2, 2], dtype=torch.int32)  # expert 2 is absent: counted, discarded
+    misses = torch.zeros(1, dtype=torch.int32)
+    got = moe_gemv(x.to(DEVICE), experts.to(DEVICE), slot_of.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
+                   top_k=2, misses=(misses := misses.to(DEVICE))).cpu()
+    assert int(misses.item()) == 1
+    present = torch.tensor([0, 1, 2, 4, 5])  # the pairs whose expert is resident
+    got, experts = got[present], experts[present]
+    pair_slots = slot_of[experts].long()
+    tokens = torch.tensor([0, 0, 1, 2, 2])
 
-    objects = arena.view(slots, slot_bytes)[pair_slots.long()]
+    objects = arena.view(slots, slot_bytes)[pair_slots]
     values = [dequantize_many(objects[:, o:o + nbytes].contiguous(), element_type, (rows, cols), torch.float32)
               for o in (0, second)]
     w = torch.cat(values, dim=1).bfloat16().double()  # [P, 2 rows, cols]
@@ -95,8 +101,11 @@ def test_gemv_reads_a_negative_slot_without_faulting():
     arena, slot_bytes, nbytes, second = _arena(ElementType.Q8_0, (8, 64), 2, rng)
     weight = gemv_weight([RoleEntry(Role.DOWN, int(ElementType.Q8_0), 0, nbytes, (8, 64))], rows=8, cols=64)
     x = torch.randn(2, 64).bfloat16().to(DEVICE)
-    a = moe_gemv(x, torch.tensor([-1, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes, weight)
-    b = moe_gemv(x, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes, weight)
+    experts = torch.tensor([0, 1], dtype=torch.int64, device=DEVICE)
+    a = moe_gemv(x, experts, torch.tensor([-1, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes,
+                 weight, top_k=1, x_per_pair=True)
+    b = moe_gemv(x, experts, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes,
+                 weight, top_k=1, x_per_pair=True)
     assert torch.equal(a, b)
 
 
@@ -109,8 +118,7 @@ def test_combine_equals_eager_index_add_order(tokens, top_k):
     top_k_index = torch.stack([torch.randperm(16, generator=generator)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=generator).bfloat16()
     y = torch.randn(tokens * top_k, hidden, generator=generator).bfloat16()
-    order = torch.argsort(top_k_index, dim=1, stable=True)
-    got = moe_combine(y.to(DEVICE), weights.to(DEVICE), order.to(DEVICE)).cpu()
+    got = moe_combine(y.to(DEVICE), weights.to(DEVICE), top_k_index.to(DEVICE)).cpu()
     expected = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
     for expert in top_k_index.unique().tolist():  # eager: one index_add_ per expert, ascending
         token_idx, slot = torch.where(top_k_index == expert)
