@@ -52,7 +52,7 @@ def _layer_weights(binding, num_experts: int) -> tuple[torch.Tensor, torch.Tenso
 def load_resident(bundle_dir, *, device: torch.device, dtype: torch.dtype) -> tuple[LoadedModel, str]:
     """The bundle's model with every expert resident on `device`; returns it and the experts
     implementation transformers computes them with."""
-    loaded = load_model(bundle_dir, device=device, dtype=dtype, expert_source=LocalPackSource)
+    loaded = load_model(bundle_dir, device=device, dtype=dtype, expert_source=LocalPackSource, experts_compute="exact")
     num_experts = int(loaded.bundle.experts["num_experts"])
     for _, (_, module) in experts_modules(loaded.model).items():
         binding = getattr(module, BINDING_ATTRIBUTE)
