@@ -163,8 +163,15 @@ def run(args) -> dict:
     shape = (TINY_SHAPES if args.tiny else FULL_SHAPES)[args.shape]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    tuned = None
+    if args.gemv_sweep and device.type == "cuda":
+        from bench.gemv_sweep import report as sweep_report
+        from bench.gemv_sweep import sweep
+
+        tuned = sweep(shape.expert_type)  # installs the fastest launch shape for this run
+        print(sweep_report(tuned), flush=True)
     model = prepare_model(shape, args.layers, workdir, with_bf16_checkpoint=False, balanced_routing=True)
-    results = {"shape": shape.name, "layers": args.layers, "moe_layers": model.moe_layers,
+    results = {"shape": shape.name, "layers": args.layers, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
@@ -240,6 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/expertpack-profile")
     parser.add_argument("--llamacpp-bin", default=None)
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="time the experts GEMV's launch shapes first and use the fastest (bench/gemv_sweep.py)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     results = run(args)

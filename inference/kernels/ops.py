@@ -34,6 +34,9 @@ _TYPE_CODES: dict[ElementType, tuple[int, int, int]] = {
 GEMV_TYPES = frozenset(_TYPE_CODES)
 ROUNDING = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # dtype -> quant_dot.ROUND_* code
 GEMV_BLOCK_N = 32  # output rows per program
+GEMV_WARPS = 4
+# element type -> (rows per program, warps), where measured better than the defaults (bench/gemv_sweep.py)
+GEMV_TUNING: dict[ElementType, tuple[int, int]] = {}
 COMBINE_BLOCK_H = 256
 
 _triton: ModuleType | None = None
@@ -119,7 +122,7 @@ def _interpreted() -> bool:
 
 def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, top_k: int, x_per_pair: bool = False, misses: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, tuning: tuple[int, int] | None = None) -> torch.Tensor:
     """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair).
 
     experts: int64 [P], top_k_index flattened (pair p = token p // top_k); slot_map: int32 [E],
@@ -135,14 +138,15 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
     out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
     if pairs == 0:
         return out
-    grid = (pairs, -(-weight.rows // GEMV_BLOCK_N))
+    block_n, warps = tuning if tuning is not None else GEMV_TUNING.get(weight.element_type, (GEMV_BLOCK_N, GEMV_WARPS))
+    grid = (pairs, -(-weight.rows // block_n))
     module.moe_gemv_kernel[grid](
         x, x.stride(0), experts, slot_map, misses if misses is not None else slot_map, arena, slot_bytes,
         weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
         out, out.stride(0), weight.rows,
-        QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=GEMV_BLOCK_N,
+        QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=block_n,
         WR=ROUNDING[out_dtype], INTERP=_interpreted(), TOP_K=top_k, X_PER_PAIR=x_per_pair,
-        COUNT_MISSES=misses is not None, num_warps=4,
+        COUNT_MISSES=misses is not None, num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

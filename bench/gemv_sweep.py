@@ -1,0 +1,121 @@
+"""The fused experts GEMV's launch shape per expert type: time each (rows per program, warps) on
+one decode step's experts and keep the fastest (inference.kernels.ops.GEMV_TUNING).
+
+    python bench/gemv_sweep.py --types Q4_K MXFP4          # prints a table; --json keeps it
+
+Each case is one token's top-k experts of a model shape (gate+up [2I, H] and down [H, I] of the
+type, in random valid bytes, in an arena of `--experts` slots), launched in a CUDA graph of 20
+and timed by replay: microseconds per launch and the bytes of weights read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from inference.kernels import ops  # noqa: E402
+from packtools.pack import RoleEntry  # noqa: E402
+from packtools.pack.constants import ElementType, Role, tensor_nbytes  # noqa: E402
+from packtools.quants import random_blocks  # noqa: E402
+
+CONFIGS = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)]
+SHAPES = {"Q4_K": (2048, 768, 8), "MXFP4": (4096, 2048, 6)}  # hidden, intermediate, top-k of the bench shapes
+
+
+def _arena(element_type: ElementType, hidden: int, inter: int, experts: int, device: torch.device):
+    roles = [(Role.GATE, (inter, hidden)), (Role.UP, (inter, hidden)), (Role.DOWN, (hidden, inter))]
+    entries, offset = [], 0
+    for role, shape in roles:
+        nbytes = tensor_nbytes(element_type, shape)
+        entries.append(RoleEntry(role, int(element_type), offset, nbytes, shape))
+        offset = -(-(offset + nbytes) // 256) * 256
+    slot_bytes = -(-offset // 4096) * 4096
+    rng = np.random.default_rng(0)
+    one = np.zeros(slot_bytes, dtype=np.uint8)
+    for entry in entries:
+        one[entry.offset:entry.offset + entry.nbytes] = random_blocks(element_type, entry.shape, rng).reshape(-1)
+    arena = torch.from_numpy(one).to(device).repeat(experts)  # the same object in every slot: bytes are bytes
+    return arena, slot_bytes, entries
+
+
+def _time(fn, repeats: int = 20) -> float:
+    """Microseconds per call, from a CUDA graph of `repeats` calls replayed 10 times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * repeats)
+
+
+def sweep(type_name: str, *, experts: int = 64, install: bool = True) -> dict:
+    element_type = ElementType[type_name]
+    hidden, inter, top_k = SHAPES[type_name]
+    device = torch.device("cuda")
+    arena, slot_bytes, (gate, up, down) = _arena(element_type, hidden, inter, experts, device)
+    up_weight = ops.gemv_weight([gate, up], rows=2 * inter, cols=hidden)
+    down_weight = ops.gemv_weight([down], rows=hidden, cols=inter)
+    index = torch.randperm(experts)[:top_k].to(device)  # one token's experts
+    slot_map = torch.arange(experts, dtype=torch.int32, device=device)
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    h = torch.randn(top_k, inter, device=device, dtype=torch.bfloat16)
+    weight_bytes = top_k * (gate.nbytes + up.nbytes + down.nbytes)
+    rows = []
+    for block_n, warps in CONFIGS:
+        cfg = (block_n, warps)
+        up_us = _time(lambda: ops.moe_gemv(x, index, slot_map, arena, slot_bytes, up_weight, top_k=top_k, tuning=cfg))
+        down_us = _time(lambda: ops.moe_gemv(h, index, slot_map, arena, slot_bytes, down_weight, top_k=top_k,
+                                             x_per_pair=True, tuning=cfg))
+        rows.append({"block_n": block_n, "warps": warps, "up_us": up_us, "down_us": down_us,
+                     "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
+    best = min(rows, key=lambda r: r["up_us"] + r["down_us"])
+    if install:
+        ops.GEMV_TUNING[element_type] = (best["block_n"], best["warps"])
+    return {"type": type_name, "hidden": hidden, "intermediate": inter, "top_k": top_k, "rows": rows, "best": best,
+            "default": next(r for r in rows if (r["block_n"], r["warps"]) == (ops.GEMV_BLOCK_N, ops.GEMV_WARPS))}
+
+
+def report(result: dict) -> str:
+    lines = [f"{result['type']} GEMV, top-{result['top_k']} experts of [2x{result['intermediate']}, {result['hidden']}] "
+             f"+ [{result['hidden']}, {result['intermediate']}]:"]
+    for r in result["rows"]:
+        lines.append(f"  rows/program {r['block_n']:3d} warps {r['warps']}: up {r['up_us']:6.1f} us  down "
+                     f"{r['down_us']:6.1f} us  {r['gbps']:7.1f} GB/s")
+    b, d = result["best"], result["default"]
+    lines.append(f"  best {b['block_n']}x{b['warps']}: {b['up_us'] + b['down_us']:.1f} us per layer vs default "
+                 f"{d['up_us'] + d['down_us']:.1f} us")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results = [sweep(name) for name in args.types]
+    for result in results:
+        print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
