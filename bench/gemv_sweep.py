@@ -26,7 +26,7 @@ from packtools.pack import RoleEntry  # noqa: E402
 from packtools.pack.constants import ElementType, Role, tensor_nbytes  # noqa: E402
 from packtools.quants import random_blocks  # noqa: E402
 
-CONFIGS = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)]
+CONFIGS = [(8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
 SHAPES = {"Q4_K": (2048, 768, 8), "MXFP4": (4096, 2048, 6)}  # hidden, intermediate, top-k of the bench shapes
 
 
