@@ -32,6 +32,7 @@ from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF_STEPS = 32  # most steps decoded on the acquire path after misses before trying the graph again
 
 
 def why_not(model: torch.nn.Module, source, device: torch.device) -> str | None:
@@ -84,7 +85,11 @@ class StaticDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self.lookup_enabled = True  # off once the daemon revoked our fence: acquire path only
-        self.steps = self.lookup_steps = self.redone_steps = 0
+        self.steps = self.lookup_steps = self.redone_steps = self.skipped_steps = 0
+        # After a step that met an absent expert, the next 1, 2, 4 ... 32 steps go straight to the
+        # acquire path: when the cache holds less than the working set, almost every step misses,
+        # and replaying the graph first would only add its time to each step.
+        self._skip = self._backoff = 0
 
     @classmethod
     def create(cls, model: torch.nn.Module, source, *, max_len: int, cache_keyword: str,
@@ -124,6 +129,7 @@ class StaticDecoder:
         if self.capture and self._graph is None:
             self._capture()
         self.cache.reset()
+        self._skip = self._backoff = 0
         count = len(prompt_ids)
         if not 0 < count < self.max_len:
             raise ValueError(f"a prompt of {count} tokens does not fit a static cache of {self.max_len}")
@@ -141,7 +147,17 @@ class StaticDecoder:
         self.ids.fill_(token)
         self.positions.fill_(self.length)
         self.steps += 1
-        logits = self._lookup_step() if self.lookup_enabled else None
+        logits = None
+        if self.lookup_enabled and self._skip == 0:
+            logits = self._lookup_step()
+            if logits is None:
+                self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
+                self._skip = self._backoff
+            else:
+                self._backoff = 0
+        elif self._skip:
+            self._skip -= 1
+            self.skipped_steps += 1
         if logits is None:
             self._set_lookup(False)
             logits = self._step_call()  # acquire path: loads whatever is absent

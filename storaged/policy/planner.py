@@ -51,7 +51,11 @@ class AcquirePlanner:
     """Residency decisions for storaged: demand Acquire, Prefetch hints, completion, release."""
 
     def __init__(self, vram: SlotCache, host: SlotCache | None, models: Mapping[int, ModelLayout],
-                 *, prefetch_threshold: float = 0.5, max_prefetch_in_flight: int | None = None):
+                 *, prefetch_threshold: float = 0.5, max_prefetch_in_flight: int | None = None,
+                 prefetch_reserve: int | None = None):
+        """prefetch_reserve: VRAM slots (free or evictable) a hint never takes, so a demand Acquire
+        is not refused because speculative loads hold the cache; default (None): the model's
+        acquire limit, one layer's whole demand."""
         if host is not None and host.slot_count == 0:
             host = None  # a zero budget turns the tier off
         if prefetch_threshold < 0:
@@ -65,6 +69,9 @@ class AcquirePlanner:
         if max_prefetch_in_flight < 0:
             raise ValueError(f"max_prefetch_in_flight must be >= 0, got {max_prefetch_in_flight}")
         self.max_prefetch_in_flight = max_prefetch_in_flight
+        if prefetch_reserve is not None and prefetch_reserve < 0:
+            raise ValueError(f"prefetch_reserve must be >= 0, got {prefetch_reserve}")
+        self.prefetch_reserve = prefetch_reserve
         self._models = dict(models)
         self._sessions = SessionPins()
         self._pending: dict[ExpertKey, _PendingLoad] = {}
@@ -157,9 +164,15 @@ class AcquirePlanner:
         loads: list[ExpertStep] = []
         evictions: list[Eviction] = []
         demotions: list[Demotion] = []
+        # A hint never takes the slots one layer's whole demand may need: a demand Acquire must
+        # not be refused because speculative loads hold the cache (seen at a 10% budget, where the
+        # arena barely holds a prefill's layer).
+        reserve = self._models[model].acquire_limit if self.prefetch_reserve is None else self.prefetch_reserve
         for expert in experts:
             key = ExpertKey(model, layer, expert)
             if self._prefetch_in_flight >= self.max_prefetch_in_flight:
+                break
+            if self.vram.free_slot_count + self.vram.evictable_count <= reserve:
                 break
             if key in self.vram:
                 continue

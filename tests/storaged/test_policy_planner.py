@@ -18,6 +18,7 @@ LAYOUTS = {
 def planner(vram_slots: int = 4, host_slots: int = 0, **options) -> AcquirePlanner:
     vram = SlotCache(vram_slots, slot_bytes=1 << 20, half_life=64)
     host = SlotCache(host_slots, slot_bytes=1 << 20, half_life=64, tier="host")
+    options.setdefault("prefetch_reserve", 0)  # these caches are smaller than one layer's demand
     return AcquirePlanner(vram, host, LAYOUTS, **options)
 
 
@@ -334,3 +335,12 @@ def test_stats_report_resident_entries_and_bytes_per_tier():
     assert stats.vram_resident_bytes == 2 << 20
     assert (stats.host_resident_entries, stats.host_resident_bytes) == (0, 0)  # misses never fill it
     assert (stats.pins_outstanding, stats.sessions) == (3, 1)
+
+
+def test_prefetch_leaves_room_for_one_layers_whole_demand():
+    """Hints never take the slots a demand Acquire of a whole layer may need: with 6 slots and up
+    to 4 experts per Acquire, at most 2 are prefetched; the demand that follows fits."""
+    p = planner(vram_slots=6, max_prefetch_in_flight=6, prefetch_reserve=None)  # the default: 4 per Acquire
+    plan = p.prefetch(MODEL, 1, [0, 1, 2, 3, 4, 5])
+    assert len(plan.loads) == 2 and plan.skipped == 4
+    assert len(p.acquire("a", MODEL, 0, [0, 1, 2, 3]).loads) == 4
