@@ -147,7 +147,12 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
     out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
     if pairs == 0:
         return out
-    block_n, warps = tuning if tuning is not None else GEMV_TUNING.get(weight.element_type, (GEMV_BLOCK_N, GEMV_WARPS))
+    if tuning is not None:
+        block_n, warps = tuning
+    elif _interpreted():  # the interpreter runs programs one by one: fewer, larger ones
+        block_n, warps = GEMV_BLOCK_N, GEMV_WARPS
+    else:
+        block_n, warps = GEMV_TUNING.get(weight.element_type, (GEMV_BLOCK_N, GEMV_WARPS))
     grid = (pairs, -(-weight.rows // block_n))
     module.moe_gemv_kernel[grid](
         x, x.stride(0), experts, slot_map, misses if misses is not None else slot_map, arena, slot_bytes,
