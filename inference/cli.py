@@ -28,6 +28,7 @@ from inference.engine import (
     encode_chat,
     encode_completion_prompt,
 )
+from inference.experts import ExpertsError
 from inference.model import ModelLoadError
 from inference.server.run import serve
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ExpertSourceNotAvailableError, InvalidRequestError) as exc:
         print(f"inference {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (EngineError, ModelLoadError, OSError) as exc:
+    except (EngineError, ModelLoadError, ExpertsError, OSError) as exc:
         print(f"inference {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

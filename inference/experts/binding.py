@@ -116,7 +116,8 @@ def attach_lookahead(model: torch.nn.Module, bindings: dict[int, ExpertsBinding]
     from inference.experts.lookahead import NextLayerPredictor, router_of
 
     if not callable(getattr(source, "prefetch", None)):
-        raise ExpertsError(f"{type(source).__name__} takes no prefetch hints; lookahead needs a source that does")
+        raise ExpertsError("lookahead: the expert source takes no prefetch hints (the local pack has no cache to "
+                           "fill; use --storaged, or --lookahead 0)")
     modules = experts_modules(model)
     layers = list(bindings)
     attached = 0

@@ -51,6 +51,11 @@ def test_generate_chat_seed_and_stop(qwen_bundle, loaded, capsys):
     assert out == full[:full.index(stop)] + "\n" and "finish_reason=stop" in err
 
 
+def test_generate_refuses_lookahead_without_a_source_that_takes_hints(qwen_bundle, capsys):
+    assert main(generate_args(qwen_bundle, "--lookahead", "4")) == 1  # the local pack source
+    assert "takes no prefetch hints" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--top-p", "0"], "top_p must be a number in (0, 1]"),
     (["--temperature", "3"], "temperature must be a number in [0, 2]"),
@@ -123,6 +128,9 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
     ([], "bundle = 'b'\nmax_tokens = 'lots'\n", "'max_tokens' = 'lots'"),
     ([], "bundle = 'b'\nmax_token = 5\n", "unknown key(s) max_token"),
     ([], "bundle = 'b'\nport = \n", "not valid TOML"),
+    ([], "bundle = 'b'\nexperts_compute = 'fast'\n", "'experts_compute' = 'fast'"),
+    ([], "bundle = 'b'\nlookahead = -2\n", "'lookahead' = -2"),
+    ([], "bundle = 'b'\nstatic_cache_len = 'long'\n", "'static_cache_len' = 'long'"),
 ])
 def test_bad_serve_configuration_exits_2_naming_the_field(tmp_path, capsys, argv, file, message):
     if file is not None:

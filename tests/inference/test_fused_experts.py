@@ -179,3 +179,15 @@ def test_fused_layer_matches_exact_layer(tokens, tmp_path):
                 outputs[compute] = expertpack_experts_forward(module, x, top_k_index, top_k_weights).float().cpu()
     exact, fused = outputs["exact"], outputs["fused"]
     assert (fused - exact).abs().max() <= 2 * 2**-7 * exact.abs().max()
+
+
+def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):
+    from inference.experts import ExpertsError, resolve_compute
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ExpertsError, match="'fused' cannot run here: the fused kernels need CUDA"):
+        resolve_compute("fused", torch.device("cpu"), torch.bfloat16)
+    assert resolve_compute("auto", torch.device("cpu"), torch.bfloat16) is False
+    assert resolve_compute("exact", torch.device("cpu"), torch.bfloat16) is False
+    with pytest.raises(ExpertsError, match="'quick' is not one of"):
+        resolve_compute("quick", torch.device("cpu"), torch.bfloat16)

@@ -48,6 +48,8 @@ def test_defaults(tmp_path):
     ("allowed_uids", "1000"), ("allowed_gids", [-1]), ("socket", ""), ("models", {}),
     ("allowed_uids", []), ("allowed_gids", ()),  # an empty allow-list would admit nobody
     ("models", {"bad name": "/x"}),
+    ("fence_timeout_seconds", 0), ("fence_timeout_seconds", "10"), ("fence_timeout_seconds", True),
+    ("fence_timeout_seconds", 7200),
 ])
 def test_bad_field_raises_config_error_naming_it(tmp_path, field, value):
     fields = {"models": {"m": tmp_path}, "vram_cache_bytes": 1 << 20, field: value}
