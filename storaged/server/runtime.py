@@ -41,6 +41,15 @@ def slot_geometry(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
         raise StartupError(f"vram_cache_bytes = {config.vram_cache_bytes} holds no slot: model "
                            f"{largest.name!r} has objects of up to {largest.max_object_bytes} bytes "
                            f"(slots of {slot_bytes} bytes); raise vram_cache_bytes")
+    for model in models.values():
+        # a token's top-k experts of one layer must be resident at once: fewer slots can never serve
+        # a decode step, so refuse now rather than fail every request later
+        top_k = model.bundle.experts.get("top_k")
+        if isinstance(top_k, int) and slot_count < top_k:
+            raise StartupError(f"vram_cache_bytes = {config.vram_cache_bytes} holds {slot_count} slot(s) of "
+                               f"{slot_bytes} bytes; model {model.name!r} routes each token to {top_k} experts a "
+                               f"layer, so at least {top_k} slots ({top_k * slot_bytes} bytes) are needed; raise "
+                               "vram_cache_bytes (a prefill needs up to one layer's experts)")
     return SlotGeometry(slot_bytes, slot_count, config.host_cache_bytes // slot_bytes)
 
 

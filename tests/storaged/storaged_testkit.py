@@ -39,7 +39,7 @@ def role_nbytes(etype: ElementType, shape: tuple[int, ...]) -> int:
 
 
 def write_bundle(directory: Path, *, layers=TEST_LAYERS, experts=TEST_EXPERTS, seed: int = 0,
-                 model_type: str = "qwen3_moe") -> dict[tuple[int, int], bytes]:
+                 model_type: str = "qwen3_moe", top_k: int | None = None) -> dict[tuple[int, int], bytes]:
     """Write a complete bundle; returns {(layer, expert): object payload bytes}."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -66,7 +66,8 @@ def write_bundle(directory: Path, *, layers=TEST_LAYERS, experts=TEST_EXPERTS, s
         "pack": {"file": "experts.pack", "size": header.file_size, "index_crc32": header.index_crc32,
                  "object_stride": header.object_stride},
         "dense": {"file": "dense.safetensors", "size": 64, "tensors": 0},
-        "experts": {"moe_layers": list(layers), "num_experts": experts},
+        "experts": {"moe_layers": list(layers), "num_experts": experts,
+                    **({"top_k": top_k} if top_k is not None else {})},
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return payloads

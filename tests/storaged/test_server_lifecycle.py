@@ -230,3 +230,23 @@ def test_info_reports_configured_models(tmp_path, bundle):
                 assert json.loads((second / "manifest.json").read_text())["experts"]["num_experts"] == 4
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize("slots, starts", [(3, False), (8, True)])
+def test_cache_smaller_than_a_tokens_top_k_fails_start_naming_the_slots_needed(tmp_path, slots, starts):
+    """A model that routes each token to 8 experts a layer cannot decode with 3 slots: refused at
+    start with the number needed, not with RESOURCE_EXHAUSTED on every request later."""
+    path = tmp_path / "top8"
+    write_bundle(path, top_k=8)
+    config = write_config(tmp_path / "s.toml", models={"tiny": path}, vram_cache_bytes=slots * SLOT_BYTES,
+                          socket=str(tmp_path / "s.sock"), metrics_address="off")
+    if starts:
+        daemon = Daemon(config, tmp_path / "s.sock")
+        try:
+            daemon.wait_serving()
+        finally:
+            assert daemon.stop() == 0
+        return
+    result = run_daemon_expecting_failure(config)
+    assert result.returncode == 1
+    assert "routes each token to 8 experts a layer, so at least 8 slots" in result.stderr, result.stderr
