@@ -83,15 +83,37 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     if predicted:
         binding.predict.send(predicted)
 
+    groups = _groups(expert_ids, expert_counts, _capacity(binding.source))
     if binding.use_fused_kernels:
-        return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
-                              expert_ids, expert_counts)
-    objects = binding.source.acquire(binding.layer, expert_ids)
-    if len(objects) != len(expert_ids):
-        raise ExpertSourceError(binding.layer, f"asked for {len(expert_ids)} experts {expert_ids}, "
-                                f"got {len(objects)} objects")
-    weights = plan.materialize(objects)  # name -> [n, *shape], n = unique experts
-    return exact_combine(self, plan, hidden_states, top_k_index, top_k_weights, pair_order, expert_counts, weights)
+        if len(groups) == 1:
+            return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
+                                  expert_ids, expert_counts)
+        return _fused_in_groups(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, groups)
+    final = torch.zeros_like(hidden_states)
+    start = 0
+    for ids, counts in groups:  # ascending expert ids: eager's summation order across groups too
+        objects = binding.source.acquire(binding.layer, ids)
+        if len(objects) != len(ids):
+            raise ExpertSourceError(binding.layer, f"asked for {len(ids)} experts {ids}, got {len(objects)} objects")
+        weights = plan.materialize(objects)  # name -> [n, *shape], n = the group's experts
+        exact_accumulate(self, plan, hidden_states, top_k_index, top_k_weights, pair_order[start:], counts, weights,
+                         final)
+        start += sum(counts)
+    return final
+
+
+def _capacity(source) -> int | None:
+    """Most experts the source can hold at once (storaged: its arena's slots), or None."""
+    method = getattr(source, "max_pinned", None)
+    return method() if callable(method) else None
+
+
+def _groups(ids: list[int], counts: list[int], capacity: int | None) -> list[tuple[list[int], list[int]]]:
+    """The layer's experts in ascending groups of at most `capacity` (all at once without a limit):
+    a prefill touching more experts than the cache holds runs group by group."""
+    if capacity is None or len(ids) <= capacity:
+        return [(ids, counts)]
+    return [(ids[i:i + capacity], counts[i:i + capacity]) for i in range(0, len(ids), capacity)]
 
 
 def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None
@@ -103,15 +125,15 @@ def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | No
     return flat[:n], flat[n:2 * n], flat[2 * n:]
 
 
-def exact_combine(module: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, pair_order: torch.Tensor, expert_counts: list[int],
-                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
+def exact_accumulate(module: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_order: torch.Tensor,
+                     expert_counts: list[int], weights: dict[str, torch.Tensor], final: torch.Tensor) -> None:
     """Eager's loop: per expert (ascending id) its tokens through up, gate, down, times the
-    routing weight, index_add_-ed into a zero output in the output dtype."""
+    routing weight, index_add_-ed into `final` (zeros at first) in the output dtype. pair_order
+    starts at this group's first expert-sorted pair."""
     tokens, top_k = top_k_index.shape
     pair_weights = top_k_weights.reshape(-1)  # [S]
     pair_tokens = pair_order // top_k  # [S] token of each expert-sorted pair
-    final = torch.zeros_like(hidden_states)
     start = 0
     for i, count in enumerate(expert_counts):
         rows = slice(start, start + count)
@@ -120,7 +142,6 @@ def exact_combine(module: torch.nn.Module, plan: LayerPlan, hidden_states: torch
         out = expert_outputs(module, plan, hidden_states[token_idx], weights, i)  # [count, H]
         out = out * pair_weights[pair_order[rows], None]
         final.index_add_(0, token_idx, out.to(final.dtype))
-    return final
 
 
 def expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, weights: dict[str, torch.Tensor],
@@ -152,6 +173,24 @@ def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, 
     lut = torch.full((binding.plan.target.num_experts,), -1, dtype=torch.int32, device=device)  # expert -> row
     lut[unique] = index
     return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lut, rows.arena, rows.stride)
+
+
+def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_order,
+                     groups) -> torch.Tensor:
+    """The fused path for a layer whose experts exceed the cache: each group acquired and computed
+    (grouped GEMMs) before the next replaces it; one combine over every pair at the end."""
+    from inference.experts import fused as F
+
+    by_pair = hidden_states.new_empty((pair_order.numel(), hidden_states.shape[-1]))  # [T*k, H]
+    start = 0
+    for ids, counts in groups:
+        rows = acquire_rows(binding.source, binding.layer, ids)
+        pairs = pair_order[start:start + sum(counts)]  # this group's pairs, sorted by expert
+        index = torch.tensor(rows.index, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+        by_pair[pairs] = F.grouped_outputs(module, binding.plan, hidden_states, top_k_index.shape[1], pairs, counts,
+                                           index, rows.arena, rows.stride)
+        start += len(pairs)
+    return F.moe_combine(by_pair, top_k_weights, top_k_index)
 
 
 def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, slot_map, arena,

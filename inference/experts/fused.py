@@ -130,21 +130,27 @@ def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, to
     return moe_combine(out, top_k_weights, top_k_index)
 
 
+def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k: int, pairs: torch.Tensor,
+                    counts: list[int], expert_rows: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
+    """[S, H]: the outputs of `pairs` (pair indices sorted by expert; `counts` pairs per distinct
+    expert, whose objects are rows `expert_rows` (int64 [n]) of `arena`), before the routing
+    weights: each expert dequantized once, one grouped GEMM per projection."""
+    from inference.experts.forward import expert_outputs
+
+    count = arena.numel() // stride
+    rows = arena[: count * stride].view(count, stride).index_select(0, expert_rows)  # uint8 [n, stride]
+    weights = plan.materialize_rows(rows)  # name -> [n, ...]
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(x.device, non_blocking=True)  # [n]
+    return expert_outputs(module, plan, x[pairs // top_k], weights, offsets)  # [S, H]
+
+
 def grouped_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, pair_order: torch.Tensor, counts: list[int],
                     expert_rows: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
     """[T, H] for many tokens: the n distinct experts (rows `expert_rows`, int64 [n], ascending
     expert id; `counts` their pair counts) are dequantized once, then grouped GEMMs over the pairs
     sorted by expert (`pair_order`, [T*k] pair indices)."""
-    from inference.experts.forward import expert_outputs
-
-    count = arena.numel() // stride
-    rows = arena[: count * stride].view(count, stride).index_select(0, expert_rows)  # uint8 [n, stride]
-    weights = plan.materialize_rows(rows)  # name -> [n, ...]
-    tokens, top_k = top_k_index.shape
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(x.device, non_blocking=True)  # [n]
-    sorted_x = x[pair_order // top_k]  # [S, H] rows grouped by expert
-    out = expert_outputs(module, plan, sorted_x, weights, offsets)  # [S, H], sorted
+    out = grouped_outputs(module, plan, x, top_k_index.shape[1], pair_order, counts, expert_rows, arena, stride)
     by_pair = torch.empty_like(out)
     by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
     return moe_combine(by_pair, top_k_weights, top_k_index)

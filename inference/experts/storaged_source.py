@@ -279,6 +279,12 @@ class StoragedExpertSource:
             raise StoragedSessionLostError(exc.code, f"{exc.details}; storaged at {self.socket_path} "
                                            "probably restarted", rpc=exc.rpc) from exc
 
+    def max_pinned(self) -> int | None:
+        """The most experts one acquire can hold: the daemon's slots (a layer touching more is
+        computed in groups, inference.experts.forward)."""
+        session = self._session
+        return session.slot_count if session is not None else None
+
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Hint that `experts` of `layer` will be wanted soon (lookahead); does not wait."""
         session = self._session

@@ -160,15 +160,24 @@ def test_fused_model_matches_eager_bfloat16(case, tmp_path):
     assert relative < 4e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 40], ids=["pairs", "grouped"])
-def test_fused_layer_matches_exact_layer(tokens, tmp_path):
+class ThreeSlotSource(LocalPackSource):
+    """A source that can hold 3 experts at once, like a storaged arena of 3 slots."""
+
+    def max_pinned(self) -> int:
+        return 3
+
+
+@pytest.mark.parametrize("tokens, source", [(1, LocalPackSource), (40, LocalPackSource), (40, ThreeSlotSource)],
+                         ids=["pairs", "grouped", "grouped in groups of 3 experts"])
+def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     """One experts module, decode-sized (per-pair GEMVs) and prefill-sized (grouped GEMM over
-    distinct experts: 80 pairs), fused against the exact path on the same inputs."""
+    distinct experts: 80 pairs; and, with a source that holds 3 experts, 3 at a time), fused
+    against the exact path on the same inputs."""
     layout = PackLayout(types=((Role.GATE, ElementType.Q4_K), (Role.UP, ElementType.Q4_K), (Role.DOWN, ElementType.Q8_0)))
     _, bundle_dir = make_case("qwen3_moe", tmp_path / "bundle", layout, hidden=256, moe_intermediate=256)
     outputs = {}
     for compute in ("exact", "fused"):
-        with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=LocalPackSource,
+        with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=source,
                         experts_compute=compute) as loaded:
             _, module = experts_modules(loaded.model)[0]
             generator = torch.Generator().manual_seed(7)
