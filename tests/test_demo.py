@@ -53,10 +53,12 @@ def test_demo_answers_prints_the_figures_and_stops_everything(tmp_path):
     vram = re.search(r"vram\s+tier: hits=(\d+) misses=(\d+) evictions=\d+ resident_experts=(\d+)", output)
     assert vram, output
     hits, misses, resident = map(int, vram.groups())
-    assert misses == resident == 16  # every expert of the 2 x 8 read once from the pack, then kept
+    # every expert of the 2 x 8 read once from the pack, then kept: some by a demand miss, the
+    # others ahead of demand by the lookahead's prefetch hints
+    assert resident == 16 and 0 < misses <= 16
     assert hits > 0
-    assert figure("bytes_read", output) == 16 * 110592  # 16 objects of 108 KiB
-    assert re.search(r'expertpack_storaged_misses_total\{tier="vram"\} 16$', output, re.MULTILINE), output
+    assert figure("bytes_read", output) == 16 * 110592  # 16 objects of 108 KiB, none read twice
+    assert re.search(rf'expertpack_storaged_misses_total\{{tier="vram"\}} {misses}$', output, re.MULTILINE), output
     assert re.search(r"ttft=\d+\.\d+s \(mean of 1 request\(s\)\)", output), output
     assert figure("generated_tokens", output) == 48
     pids, run_dir = pids_and_run_dir(output)
