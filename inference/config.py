@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from inference.engine.timed_source import TimedExpertSource
 from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
 from inference.model import LoadedModel, load_model
 from packtools.bundle import Bundle
+from servicekit.toml_file import TomlFileError, read_toml
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -191,14 +191,9 @@ def read_api_key_file(path: str | os.PathLike) -> tuple[str, ...]:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError("--config", str(path), "file not found") from None
-    except OSError as exc:
-        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+        values = read_toml(path)
+    except TomlFileError as exc:
+        raise ConfigError("--config", str(path), exc.problem) from None
     known = MODEL_FIELDS | SERVE_FIELDS | FILE_ONLY_FIELDS
     unknown = sorted(set(values) - known)
     if unknown:

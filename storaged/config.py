@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from servicekit.toml_file import TomlFileError, read_toml
 
 DEFAULT_SOCKET = "/run/expertpack/storaged.sock"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
@@ -181,14 +182,9 @@ def config_from_mapping(values: Mapping[str, Any], *, source: str = "config") ->
 def read_config_file(path: Path) -> dict[str, Any]:
     """The TOML file's table, with relative bundle paths made relative to the file's directory."""
     try:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError("--config", str(path), "file not found") from None
-    except OSError as exc:
-        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", str(path), f"not valid TOML: {exc}") from None
+        values = read_toml(path)
+    except TomlFileError as exc:
+        raise ConfigError("--config", str(path), exc.problem) from None
     if isinstance(values.get("models"), Mapping):
         # Relative bundle paths are relative to the config file, not to the daemon's cwd.
         base = Path(path).absolute().parent
