@@ -3,8 +3,8 @@
     source = StoragedExpertSource("/run/expertpack/storaged.sock", "qwen3-30b", bundle, "cuda:0")
     objects = source.acquire(layer, [5, 17, 40])   # uint8 views into the daemon's slots
 
-Attach maps the daemon's arena once (a /dev/shm file on a CPU daemon, a CUDA IPC allocation on a
-GPU daemon); each `acquire` is one message each way on the session's Acquire stream and returns
+Attach maps the daemon's arena once (a sealed memfd, read-only, on a CPU daemon; a CUDA IPC
+allocation on a GPU daemon); each `acquire` is one message each way on the session's Acquire stream and returns
 views of the slots' bytes: no copy when the arena lives on the compute device, one copy otherwise.
 
 Lifetime of the views: every Acquire sets `release_other_layers`, so storaged keeps pinned only

@@ -17,6 +17,7 @@ death of this process.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -28,10 +29,11 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.client import replies
 from storaged.client.errors import ClientClosed, StorageError, Unavailable, from_rpc_error
-from storaged.client.dataplane import DataPlaneClient, StepFence
+from storaged.client.dataplane import DataPlaneClient, StepFence, receive_arena_fd
 from storaged.client.layout import (LayerLayout, ObjectLayout, SlotMapView, arena_from_proto, layers_from_proto,
                                     slot_map_from_proto)
 from storaged.device.client_arena import ClientArena, map_arena
+from storaged.device.descriptor import KIND_MEMFD
 from storaged.wire import dataplane as wire
 from storaged.wire.session import SESSION_METADATA_KEY
 
@@ -84,9 +86,9 @@ class Session:
         self._plane: DataPlaneClient | None = None
         self._stream: _AcquireStream | None = None
         try:
-            self.arena: ClientArena = map_arena(arena_from_proto(reply.arena, reply.slot_bytes,
-                                                                 reply.slot_count))
             offered = reply.HasField("data_plane") and reply.data_plane.version == wire.VERSION
+            self.arena: ClientArena = self._map(arena_from_proto(reply.arena, reply.slot_bytes, reply.slot_count),
+                                                reply, offered)
             if data_plane and offered:
                 # Opened now, not at the first acquire: the session's lifetime is this connection's.
                 self._plane = DataPlaneClient(reply.data_plane.socket_path, self.id, timeout=client.timeout)
@@ -100,6 +102,18 @@ class Session:
         if self._plane is None:
             # Opened now, not at the first acquire: the session's lifetime is this stream's.
             self._stream = _AcquireStream(client._stub, self.id)
+
+    def _map(self, descriptor, reply: pb.AttachResponse, offered: bool) -> ClientArena:
+        if descriptor.kind != KIND_MEMFD:
+            return map_arena(descriptor)
+        if not offered:
+            raise StorageError(grpc.StatusCode.FAILED_PRECONDITION, "the arena is a memfd handed out on the data "
+                               f"plane, which this daemon does not offer at version {wire.VERSION}", rpc="Attach")
+        fd = receive_arena_fd(reply.data_plane.socket_path, self.id, timeout=self._client.timeout)
+        try:
+            return map_arena(descriptor, fd)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
 
     @property
     def fence(self) -> StepFence | None:

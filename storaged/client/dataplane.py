@@ -7,12 +7,14 @@ and their replies are read (and checked) on the way to the next reply that is wa
     plane.prefetch(layer + 1, [3, 9])            # returns at once
     with plane.fence.step():                      # brackets device work that reads the slot map
         ...
+    fd = receive_arena_fd("/run/expertpack/storaged.sock.data", session_id)  # memfd arenas, at Attach
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -186,6 +188,39 @@ class DataPlaneClient:
         data = bytes(self._buffer[:n])
         del self._buffer[:n]
         return data
+
+
+def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> int:
+    """The daemon's arena memfd for an attached session (an ARENA exchange on a connection of its
+    own, which the daemon then closes); the caller owns the descriptor. It can be mapped
+    read-only only: the daemon sealed the file against writes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        received: list[int] = []
+        data = b""
+        try:
+            sock.connect(path)
+            sock.sendall(wire.frame(Kind.ARENA, 0, wire.U32.pack(wire.VERSION) + session_id.encode()))
+            while len(data) < wire.HEADER.size or len(data) < wire.HEADER.size + wire.HEADER.unpack_from(data)[0]:
+                chunk, fds, _, _ = socket.recv_fds(sock, 65536, 1)
+                received += fds
+                if not chunk:
+                    raise ConnectionResetError("the daemon closed the connection before answering")
+                data += chunk
+        except OSError as exc:
+            for fd in received:
+                os.close(fd)
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="ARENA") from None
+    length, kind, _, _ = wire.HEADER.unpack_from(data)
+    body = data[wire.HEADER.size:wire.HEADER.size + length]
+    if kind == Kind.ARENA_OK and len(received) == 1:
+        return received[0]
+    for fd in received:
+        os.close(fd)
+    if kind == Kind.ERROR:
+        raise _error(body, "ARENA")
+    raise StorageError(grpc.StatusCode.INTERNAL, f"{path}: ARENA answered with frame kind {kind} and "
+                       f"{len(received)} descriptors", rpc="ARENA")
 
 
 def _error(body: bytes, rpc: str) -> StorageError:

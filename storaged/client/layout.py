@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
-from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.device.errors import ArenaDescriptorError
 
 
@@ -91,14 +91,15 @@ def slot_map_from_proto(reply: pb.AttachResponse) -> SlotMapView | None:
 
 
 def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int) -> ArenaDescriptor:
-    """The device module's descriptor, ready for map_arena."""
+    """The device module's descriptor, ready for map_arena (a memfd arena also needs its fd)."""
     which = arena.WhichOneof("memory")
+    if which == "memfd":
+        return ArenaDescriptor(kind=KIND_MEMFD, slot_bytes=slot_bytes, slot_count=slot_count,
+                               map_entries=arena.slot_map_entries)
     if which == "shm":
-        if arena.shm.offset:
-            raise ArenaDescriptorError(f"shm arena at offset {arena.shm.offset} of {arena.shm.path}: "
-                                       "this client maps arenas at offset 0 only")
-        return ArenaDescriptor(kind=KIND_SHM, slot_bytes=slot_bytes, slot_count=slot_count,
-                               shm_path=arena.shm.path, map_entries=arena.slot_map_entries)
+        raise ArenaDescriptorError(f"the daemon offers a path-named shared-memory arena ({arena.shm.path}), which "
+                                   "any process its file mode lets in could write; this client maps sealed memfd "
+                                   "and CUDA IPC arenas only (upgrade storaged)")
     if which == "cuda_ipc":
         c = arena.cuda_ipc
         return ArenaDescriptor(

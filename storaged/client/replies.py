@@ -21,7 +21,7 @@ class ModelInfo:
 class ServerInfo:
     server_version: str
     api_version: int
-    capabilities: frozenset[str]  # e.g. {"SHM_ARENA", "PREFETCH", "CHECKSUM_VERIFY", "DIRECT_IO"}
+    capabilities: frozenset[str]  # e.g. {"MEMFD_ARENA", "PREFETCH", "CHECKSUM_VERIFY", "DIRECT_IO"}
     models: dict[str, ModelInfo]
     device: str  # "cpu" or "cuda:N"
     slot_bytes: int
@@ -63,6 +63,8 @@ class Stats:
     d2h_bytes: int
     fence_waits: int  # slot reuses that waited for a session's device step
     fence_revocations: int
+    hits_verified: int  # hits re-checked against their checksum (verify_hits)
+    hit_mismatches: int  # verified hits that failed and were reloaded from the pack
 
 
 def server_info(reply: pb.InfoResponse) -> ServerInfo:

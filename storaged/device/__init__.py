@@ -2,11 +2,14 @@
 
 Server side
 -----------
-- `create_arena(kind, slot_count, slot_bytes, *, device=0, event_count=256, shm_mode=0o600)
-  -> Arena`: kind "cpu" (`CpuArena`, a /dev/shm file), "cuda" (`CudaArena`, one device tensor
-  exported with CUDA IPC) or "auto". slot_bytes must be a multiple of 4096.
+- `create_arena(kind, slot_count, slot_bytes, *, device=0, event_count=256) -> Arena`: kind
+  "cpu" (`CpuArena`, a memfd sealed against writes through any descriptor but this process's
+  mapping), "cuda" (`CudaArena`, one device tensor exported with CUDA IPC) or "auto".
+  slot_bytes must be a multiple of 4096.
 - `Arena.descriptor() -> ArenaDescriptor`: plain values to send in the Attach reply. On CUDA
   call it once per client session (each call is a fresh IPC export with its own refcount).
+  `Arena.client_fd`: the memfd a CPU arena's clients map (sent over the data plane; None on
+  CUDA). `Arena.host_view(slot, nbytes)`: a CPU slot's bytes without a copy (None on CUDA).
 - `Arena.copy_in(slot, source, nbytes) -> CopyHandle`: source is an `AlignedBuffer` (staging
   buffer or host-tier slot), a uint8 CPU tensor or a writable memoryview. CPU: complete on
   return. CUDA: non-blocking on the arena's copy stream, followed by an interprocess event.
@@ -23,9 +26,10 @@ Server side
 
 Client side (storaged.device.client_arena; imports torch, never grpc)
 ---------------------------------------------------------------------
-- `map_arena(descriptor) -> ClientArena`; `ClientArena.slot_view(slot, nbytes) -> uint8
-  tensor` (read-only use; shm views are mapped read-only); `wait_event(index, stream=None)`
-  (CUDA: the stream waits for that copy; shm: no-op); `close()`.
+- `map_arena(descriptor, fd=None) -> ClientArena` (fd: a memfd arena's descriptor from the data
+  plane); `ClientArena.slot_view(slot, nbytes) -> uint8 tensor` (read-only use; memfd views are
+  mapped read-only, CUDA IPC views cannot be); `wait_event(index, stream=None)` (CUDA: the
+  stream waits for that copy; memfd: no-op); `close()`.
 
 Errors (storaged.device.errors): ArenaError, ArenaDescriptorError, SlotRangeError,
 ArenaClosedError, ArenaMapError, CudaUnavailableError, EventIndexError, CopySizeError.
@@ -34,7 +38,7 @@ ArenaClosedError, ArenaMapError, CudaUnavailableError, EventIndexError, CopySize
 from storaged.device.arena import Arena, CopyHandle, CpuArena, create_arena
 from storaged.device.client_arena import ClientArena, map_arena
 from storaged.device.cuda_arena import CudaArena
-from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.device.errors import (ArenaClosedError, ArenaDescriptorError, ArenaError, ArenaMapError,
                                     CopySizeError, CudaUnavailableError, EventIndexError, SlotRangeError)
 from storaged.device.host_tier import HostTier
@@ -42,6 +46,6 @@ from storaged.device.host_tier import HostTier
 __all__ = [
     "Arena", "ArenaClosedError", "ArenaDescriptor", "ArenaDescriptorError", "ArenaError",
     "ArenaMapError", "ClientArena", "CopyHandle", "CopySizeError", "CpuArena", "CudaArena",
-    "CudaUnavailableError", "EventIndexError", "HostTier", "KIND_CUDA_IPC", "KIND_SHM",
+    "CudaUnavailableError", "EventIndexError", "HostTier", "KIND_CUDA_IPC", "KIND_MEMFD",
     "SlotRangeError", "create_arena", "map_arena",
 ]

@@ -1,4 +1,4 @@
-"""Arena: one allocation cut into equal slots that clients map; CpuArena is its shared-memory form.
+"""Arena: one allocation cut into equal slots that clients map; CpuArena is its host-memory form.
 
 The server copies object bytes into slots (copy_in) and publishes a slot to a client only once
 that copy has completed (`await handle.wait()`), or hands the client `handle.event_index` so the
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
+import fcntl
 import mmap
 import os
-import secrets
 
 import torch
 
 from packtools.pack.constants import ALIGNMENT
-from storaged.device.descriptor import KIND_SHM, ArenaDescriptor, map_region_bytes
+from storaged.device.descriptor import KIND_MEMFD, ArenaDescriptor, map_region_bytes
 from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
 from storaged.io.host_memory import AlignedBuffer
 
 HostSource = AlignedBuffer | torch.Tensor | memoryview
 ABSENT = -1  # slot map value of an object that is not resident (storaged.policy.slot_map.ABSENT)
-SHM_MODES = (0o600, 0o660)
 
 
 def host_bytes(source: HostSource, nbytes: int, what: str) -> torch.Tensor:
@@ -150,6 +150,16 @@ class Arena(abc.ABC):
         start = slot * self.slot_bytes  # byte offset of the slot in the arena
         return self._live()[start:start + nbytes]
 
+    @property
+    def client_fd(self) -> int | None:
+        """The descriptor a client maps the arena by (handed over the data plane, read-only for
+        anyone but this process), or None where the descriptor alone names the memory (CUDA IPC)."""
+        return None
+
+    def host_view(self, slot: int, nbytes: int) -> memoryview | None:
+        """Slot's first nbytes readable on the host without a copy, or None (device memory)."""
+        return None
+
     @abc.abstractmethod
     def descriptor(self) -> ArenaDescriptor:
         """What a client passes to map_arena; on CUDA each call is a fresh export for one client."""
@@ -176,72 +186,79 @@ class Arena(abc.ABC):
         self.close()
 
 
-ARENA_PREFIX = "expertpack-arena-"
+# fcntl seals (Linux; Python's fcntl names only some of them)
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mapping or write() through any fd
+MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3: the memfd can never be made executable
+ARENA_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def remove_stale_arenas(directory: str) -> list[str]:
-    """Unlink arena files whose creating daemon is gone (killed before it could unlink them).
-
-    The file name carries the creator's pid; a pid that no longer exists cannot be using it.
-    A pid reused by an unrelated process keeps its file until that process exits: harmless.
-    """
-    removed = []
-    for name in os.listdir(directory):
-        if not name.startswith(ARENA_PREFIX):
-            continue
-        pid_text = name[len(ARENA_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            path = os.path.join(directory, name)
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-        except PermissionError:
-            pass  # alive, owned by someone else
-    return removed
+def _sealable_memfd(name: str) -> int:
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # a kernel before 6.3
 
 
 class CpuArena(Arena):
-    """A file under /dev/shm, mmap'd shared; clients mmap the same file read-only.
+    """An anonymous memory file (memfd) that no path names, mapped read-write by this process only.
+
+    Once mapped here, the file is sealed (F_SEAL_FUTURE_WRITE, F_SEAL_SHRINK, F_SEAL_GROW,
+    F_SEAL_SEAL): the seals belong to the file, not to a descriptor, so through any descriptor of
+    it, ours handed out over the data plane (`client_fd`) or one reopened through /proc, a write(),
+    a writable shared mapping, a truncation or a hole punched are refused by the kernel, for root
+    too. Only the mapping made before sealing, this process's, can change the bytes. A kernel
+    that refuses the write seal (before Linux 5.1) gets no CPU arena rather than a writable one.
 
     Copies are CPU memcpys (torch's, which release the GIL) and complete before copy_in returns.
     """
 
-    kind = KIND_SHM
+    kind = KIND_MEMFD
 
-    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, mode: int = 0o600,
-                 directory: str = "/dev/shm"):
+    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0):
         super().__init__(slot_count, slot_bytes, map_entries)
-        if mode not in SHM_MODES:
-            raise ValueError(f"shm arena mode {oct(mode)} is not one of {[oct(m) for m in SHM_MODES]}")
-        remove_stale_arenas(directory)
-        self.path = os.path.join(directory, f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        what = f"a {self.allocation_bytes}-byte CPU arena"
         try:
-            os.fchmod(fd, mode)  # the umask may have narrowed it
-            # Reserve the pages now: a full /dev/shm should fail here, not SIGBUS on a later copy.
+            fd = _sealable_memfd("expertpack-arena")
+        except OSError as exc:
+            raise ArenaError(f"cannot create {what} (memfd_create): {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, self.allocation_bytes)
+            # Reserve the pages now: memory that is not there should fail here, not SIGBUS a later copy.
             os.posix_fallocate(fd, 0, self.allocation_bytes)
             self._mmap = mmap.mmap(fd, self.allocation_bytes, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            os.unlink(self.path)
-            raise ArenaError(f"{self.path}: cannot create a {self.allocation_bytes}-byte shm arena: "
-                             f"{exc.strerror}") from exc
-        finally:
             os.close(fd)
+            raise ArenaError(f"cannot create {what}: {exc.strerror}") from None
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+        except OSError as exc:
+            os.close(fd)
+            raise ArenaError(f"cannot seal {what} against writes by other processes (F_SEAL_FUTURE_WRITE: "
+                             f"{exc.strerror}; Linux 5.1 or later is needed); refusing to share a writable "
+                             "arena") from None
+        self._fd = fd
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # [allocation_bytes]
         self._map_view().fill_(ABSENT)
 
+    @property
+    def client_fd(self) -> int:
+        if self._tensor is None:
+            raise ArenaClosedError("CPU arena is closed")
+        return self._fd
+
+    def host_view(self, slot: int, nbytes: int) -> memoryview:
+        self.slot_tensor(slot, nbytes)  # range check
+        start = slot * self.slot_bytes
+        return memoryview(self._mmap)[start:start + nbytes]
+
     def descriptor(self) -> ArenaDescriptor:
         if self._tensor is None:
-            raise ArenaClosedError(f"{self.path}: arena is closed")
-        return ArenaDescriptor(kind=KIND_SHM, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
-                               shm_path=self.path, map_entries=self.map_entries)
+            raise ArenaClosedError("CPU arena is closed")
+        return ArenaDescriptor(kind=KIND_MEMFD, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
+                               map_entries=self.map_entries)
 
     def publish(self, index: int, slot: int) -> None:
         self._check_map_index(index)
@@ -268,22 +285,19 @@ class CpuArena(Arena):
         if self._tensor is None:
             return
         # Not mmap.close(): tensors from slot_tensor() would dangle. The mapping goes with the
-        # last of them; unlinking stops new clients, and mapped clients keep their pages.
+        # last of them; closing the descriptor stops new clients, mapped clients keep their pages.
         self._tensor = None
         self._mmap = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        os.close(self._fd)
 
 
 def create_arena(kind: str, slot_count: int, slot_bytes: int, *, map_entries: int = 0, device: int = 0,
-                 event_count: int = 256, shm_mode: int = 0o600) -> Arena:
-    """kind 'cpu' (shared memory), 'cuda' (device `device`) or 'auto' (cuda when available)."""
+                 event_count: int = 256) -> Arena:
+    """kind 'cpu' (a sealed memfd), 'cuda' (device `device`) or 'auto' (cuda when available)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
-        return CpuArena(slot_count, slot_bytes, map_entries=map_entries, mode=shm_mode)
+        return CpuArena(slot_count, slot_bytes, map_entries=map_entries)
     if kind == "cuda":
         from storaged.device.cuda_arena import CudaArena
 

@@ -3,7 +3,7 @@
 Imports torch only (never grpc), so the inference process can use it without the server's
 dependencies.
 
-    arena = map_arena(descriptor)           # once per session
+    arena = map_arena(descriptor, fd)       # once per session (fd: memfd arenas, from the data plane)
     arena.wait_event(event_index, stream)   # CUDA: the stream waits for the slot's copy
     weights = arena.slot_view(slot, nbytes) # uint8 [nbytes], on the arena's device
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import warnings
 
 import torch
 
-from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.device.errors import (ArenaClosedError, ArenaDescriptorError, ArenaMapError,
                                     CudaUnavailableError, EventIndexError, SlotRangeError)
 
@@ -58,34 +59,33 @@ class ClientArena:
         return self._live()[d.map_offset:d.map_offset + 4 * d.map_entries].view(torch.int32)
 
     def wait_event(self, index: int, stream=None) -> None:
-        """Make `stream` wait for the copy that recorded event `index`. No-op for shm arenas."""
+        """Make `stream` wait for the copy that recorded event `index`. No-op for memfd arenas."""
 
     def close(self) -> None:
         """Drop this mapping; views already taken stay valid until they are freed."""
         self._tensor = None
 
 
-class SharedMemoryClientArena(ClientArena):
-    """The server's /dev/shm file, mapped read-only: a stray write faults instead of corrupting
-    other sessions' experts."""
+class MemfdClientArena(ClientArena):
+    """The daemon's sealed memory file, mapped read-only (the only way the kernel lets a client map
+    it). torch has no read-only tensors: a write through a view faults (SIGSEGV) instead of
+    changing what other sessions read, so nothing here or in inference ever writes a view."""
 
-    def __init__(self, descriptor: ArenaDescriptor):
+    def __init__(self, descriptor: ArenaDescriptor, fd: int):
         try:
-            fd = os.open(descriptor.shm_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            info = os.fstat(fd)
         except OSError as exc:
-            raise ArenaMapError(f"{descriptor.shm_path}: cannot open shm arena: {exc.strerror}") from None
+            raise ArenaMapError(f"arena descriptor {fd}: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode) or info.st_size < descriptor.mapped_bytes:
+            raise ArenaMapError(f"arena descriptor {fd} is not a memory file of at least "
+                                f"{descriptor.mapped_bytes} bytes (size {info.st_size})")
         try:
-            size = os.fstat(fd).st_size
-            if size < descriptor.mapped_bytes:
-                raise ArenaMapError(f"{descriptor.shm_path}: file is {size} bytes, the descriptor needs "
-                                    f"{descriptor.mapped_bytes}")
             mapping = mmap.mmap(fd, descriptor.mapped_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        except OSError as exc:
+            raise ArenaMapError(f"cannot map the arena read-only: {exc.strerror}") from None
         with warnings.catch_warnings():
-            # torch warns that the buffer is not writable: that is the point of this mapping.
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # [mapped_bytes]
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # [mapped_bytes], never written
         super().__init__(descriptor, tensor)
 
 
@@ -127,10 +127,19 @@ class CudaIpcClientArena(ClientArena):
         super().close()
 
 
-def map_arena(descriptor: ArenaDescriptor) -> ClientArena:
-    """Map the arena a server described; raises ArenaMapError when it cannot be mapped."""
-    if descriptor.kind == KIND_SHM:
-        return SharedMemoryClientArena(descriptor)
+def map_arena(descriptor: ArenaDescriptor, fd: int | None = None) -> ClientArena:
+    """Map the arena a server described; raises ArenaMapError when it cannot be mapped.
+
+    fd: a memfd arena's file descriptor, received over the data plane (the caller keeps and
+    closes it; the mapping outlives it). Refused for kinds that need none.
+    """
+    if descriptor.kind == KIND_MEMFD:
+        if fd is None:
+            raise ArenaMapError("a memfd arena is mapped from the file descriptor the data plane hands out; "
+                                "none was given")
+        return MemfdClientArena(descriptor, fd)
+    if fd is not None:
+        raise ArenaDescriptorError(f"a {descriptor.kind} arena is not mapped from a file descriptor")
     if descriptor.kind == KIND_CUDA_IPC:
         return CudaIpcClientArena(descriptor)
     raise ArenaDescriptorError(f"unknown arena kind {descriptor.kind!r}")

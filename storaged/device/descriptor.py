@@ -3,6 +3,8 @@
 The server builds one per session (Arena.descriptor()) and sends it in the Attach reply; the
 client passes it to storaged.device.client_arena.map_arena. Fields hold only ints, strings and
 bytes, so the gRPC layer can copy them to and from protobuf without knowing what they mean.
+A memfd arena's descriptor carries no handle at all: the memory is reachable only through the
+file descriptor the daemon hands an admitted client over the data plane.
 """
 
 from __future__ import annotations
@@ -12,18 +14,16 @@ from dataclasses import dataclass, field
 from packtools.pack.constants import ALIGNMENT, align_up
 from storaged.device.errors import ArenaDescriptorError
 
-KIND_SHM = "shm"  # a shared-memory file mmap'd by both processes (no CUDA)
+KIND_MEMFD = "memfd"  # a sealed memory file, passed as a descriptor over the data plane (no CUDA)
 KIND_CUDA_IPC = "cuda_ipc"  # one device allocation exported with cudaIpcGetMemHandle
-KINDS = (KIND_SHM, KIND_CUDA_IPC)
+KINDS = (KIND_MEMFD, KIND_CUDA_IPC)
 
 
 @dataclass(frozen=True)
 class ArenaDescriptor:
-    kind: str  # KIND_SHM or KIND_CUDA_IPC
+    kind: str  # KIND_MEMFD or KIND_CUDA_IPC
     slot_bytes: int  # bytes per slot, a multiple of 4096
     slot_count: int
-    # KIND_SHM: the file under /dev/shm to mmap.
-    shm_path: str = ""
     # KIND_CUDA_IPC: the fields of torch's UntypedStorage._share_cuda_() for the arena storage.
     device_index: int = -1
     ipc_handle: bytes = b""  # cudaIpcMemHandle of the allocation holding the arena
@@ -46,8 +46,6 @@ class ArenaDescriptor:
             raise ArenaDescriptorError(f"slot_bytes {self.slot_bytes} is not a positive multiple of {ALIGNMENT}")
         if self.slot_count <= 0:
             raise ArenaDescriptorError(f"slot_count {self.slot_count} must be > 0")
-        if self.kind == KIND_SHM and not self.shm_path:
-            raise ArenaDescriptorError("shm arena descriptor has no shm_path")
         if self.kind == KIND_CUDA_IPC:
             if self.device_index < 0 or not self.ipc_handle or not self.ref_counter_handle:
                 raise ArenaDescriptorError(f"cuda_ipc arena descriptor lacks device {self.device_index}, "

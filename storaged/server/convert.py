@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from packtools.pack.index import ObjectEntry
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
-from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM, ArenaDescriptor
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.policy import SlotMapLayout
 from storaged.server.models import LayerObjects, ServedModel
 
@@ -91,9 +91,9 @@ def slot_map(layout: SlotMapLayout, model: ServedModel) -> pb.SlotMap:
 
 
 def arena_descriptor(descriptor: ArenaDescriptor) -> pb.ArenaDescriptor:
-    if descriptor.kind == KIND_SHM:
-        return pb.ArenaDescriptor(shm=pb.SharedMemoryArena(path=descriptor.shm_path, offset=0),
-                                  size_bytes=descriptor.arena_bytes, slot_map_entries=descriptor.map_entries)
+    if descriptor.kind == KIND_MEMFD:
+        return pb.ArenaDescriptor(memfd=pb.MemfdArena(), size_bytes=descriptor.arena_bytes,
+                                  slot_map_entries=descriptor.map_entries)
     assert descriptor.kind == KIND_CUDA_IPC, descriptor.kind
     d = descriptor
     return pb.ArenaDescriptor(

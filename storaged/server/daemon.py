@@ -1,7 +1,8 @@
 """The daemon's life: start-up in a fixed order, serve, and a draining shutdown on SIGTERM/SIGINT.
 
 Start-up (storaged.cli validated the config and opened the bundles already): socket path
-checked → arena, staging, host tier, reader → the data plane on `<socket>.data` → gRPC on the
+checked → arena, staging, host tier, reader → (CPU arena) the process made non-dumpable → the
+data plane on `<socket>.data` → gRPC on the
 Unix socket (directly, or behind the peer-credential gate when allowed_uids/allowed_gids are
 set) → health SERVING → READY=1 to
 systemd, then WATCHDOG=1 pings when the unit sets WatchdogSec. Until the socket listens, clients
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -196,6 +198,8 @@ async def serve(config: StoragedConfig, models: dict[str, ServedModel]) -> int:
         _close_models(models)
         return _fail(str(exc))
     try:
+        if runtime.arena.client_fd is not None:
+            forbid_same_user_access()
         return await _serve(config, models, runtime, stop, notifier)
     except StartupError as exc:
         return _fail(str(exc))
@@ -203,6 +207,20 @@ async def serve(config: StoragedConfig, models: dict[str, ServedModel]) -> int:
         notifier.close()
         runtime.close()
         _close_models(models)
+
+
+PR_SET_DUMPABLE = 4  # prctl(2) option
+
+
+def forbid_same_user_access() -> None:
+    """Mark this process non-dumpable, so that a process of the daemon's own uid (a client started
+    as the same user) cannot ptrace it, write its memory through /proc/<pid>/mem or open its
+    descriptors through /proc/<pid>/fd: the daemon's mapping is the one writable view of a memfd
+    arena. Root keeps those powers; no core dumps either (they would hold the whole cache)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise StartupError(f"cannot make the daemon non-dumpable (prctl PR_SET_DUMPABLE): "
+                           f"{os.strerror(ctypes.get_errno())}; a process of its uid could write the arena")
 
 
 def _close_models(models: dict[str, ServedModel]) -> None:

@@ -1,10 +1,12 @@
 """The data plane server: Acquire, Prefetch and Release on storaged's own framing over a second
 Unix socket (protocol: storaged.wire.dataplane). One connection per session; it binds the
-session like an Acquire stream does, and hands the client its step fence page.
+session like an Acquire stream does, and hands the client its step fence page. A connection
+that opens with ARENA instead only receives the arena's memfd (CPU) and is closed.
 
 Peer credentials are checked on accept against the same allow-list as the gRPC socket (here the
-daemon owns the socket, so SO_PEERCRED is read directly), and the client's pidfd is kept so a
-client that dies mid-step holds back slot reuse only until its process is gone (fences.py).
+daemon owns the socket, so SO_PEERCRED is read directly): a refused peer gets no descriptor, of
+the arena or of anything else. The client's pidfd is kept so a client that dies mid-step holds
+back slot reuse only until its process is gone (fences.py).
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class DataPlaneServer:
                 return
             try:
                 session = await asyncio.wait_for(self._hello(sock), HELLO_TIMEOUT_SECONDS)
+                if session is None:  # an ARENA exchange, answered: nothing to serve or bind
+                    await _linger(loop, sock)
+                    return
             except (TimeoutError, ProtocolError, ConnectionError, *REQUEST_ERRORS) as exc:
                 if not isinstance(exc, ConnectionError):
                     code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else (
@@ -146,12 +151,14 @@ class DataPlaneServer:
                 os.close(pidfd)
             sock.close()
 
-    async def _hello(self, sock: socket.socket) -> Session:
+    async def _hello(self, sock: socket.socket) -> Session | None:
+        """The session a HELLO binds; None after answering an ARENA (which binds nothing)."""
         loop = asyncio.get_running_loop()
         header = await _recv_exactly(loop, sock, wire.HEADER.size)
         length, kind, _, _ = wire.HEADER.unpack(header)
-        if kind != Kind.HELLO or not 4 < length <= 4 + 1024:
-            raise ProtocolError(f"expected a HELLO frame of at most 1028 bytes, got kind {kind}, {length} bytes")
+        if kind not in (Kind.HELLO, Kind.ARENA) or not 4 < length <= 4 + 1024:
+            raise ProtocolError(f"expected a HELLO or ARENA frame of at most 1028 bytes, got kind {kind}, "
+                                f"{length} bytes")
         body = await _recv_exactly(loop, sock, length)
         (version,) = wire.U32.unpack_from(body)
         if version != wire.VERSION:
@@ -162,7 +169,20 @@ class DataPlaneServer:
             session_id = body[4:].decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("the HELLO's session id is not UTF-8") from None
+        if kind == Kind.ARENA:
+            self._send_arena(sock, session_id)
+            return None
         return self.sessions.bind_stream(session_id)
+
+    def _send_arena(self, sock: socket.socket, session_id: str) -> None:
+        self.sessions.get(session_id)  # SessionNotFound: the arena goes to an attached session's client
+        fd = self.engine.arena.client_fd
+        if fd is None:
+            raise ProtocolError("this daemon's arena is CUDA IPC memory, mapped from the Attach reply's "
+                                "descriptor alone; ARENA hands out memfd arenas only")
+        # As for HELLO_OK: the fresh socket's empty send buffer takes this frame and its fd whole.
+        sock.sendmsg([wire.frame(Kind.ARENA_OK, 0)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        self.engine.metrics.record_dataplane_request("arena")
 
     async def _requests(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         metrics = self.engine.metrics

@@ -19,7 +19,6 @@ from storaged.server.fences import FenceTable
 from storaged.server.models import ServedModel
 
 CUDA_COPY_EVENTS = 256  # interprocess events cycled over copies into the arena
-SHM_ARENA_MODE = 0o660  # same access as the socket: whoever may connect may map the arena
 
 
 class StartupError(Exception):
@@ -105,7 +104,7 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
                     model.pack.path, direct_io=config.direct_io, verify=config.verify_checksums))
             arena = create_arena("cuda" if cuda else "cpu", geometry.slot_count, geometry.slot_bytes,
                                  map_entries=slot_map.entries, device=config.cuda_device_index or 0,
-                                 event_count=CUDA_COPY_EVENTS, shm_mode=SHM_ARENA_MODE)
+                                 event_count=CUDA_COPY_EVENTS)
             undo.callback(arena.close)
             staging = StagingPool(config.staging_buffers, geometry.slot_bytes, pin=cuda)
             undo.callback(staging.close)

@@ -52,7 +52,7 @@ _REQUEST_ERRORS = (*REQUEST_ERRORS, StreamSessionMismatch)
 def info_response(config: StoragedConfig, models: Mapping[str, ServedModel],
                   runtime: Runtime) -> pb.InfoResponse:
     cuda = config.cuda_device_index is not None
-    capabilities = [pb.CAPABILITY_CUDA_IPC_ARENA if cuda else pb.CAPABILITY_SHM_ARENA, pb.CAPABILITY_PREFETCH,
+    capabilities = [pb.CAPABILITY_CUDA_IPC_ARENA if cuda else pb.CAPABILITY_MEMFD_ARENA, pb.CAPABILITY_PREFETCH,
                     pb.CAPABILITY_DATA_PLANE, pb.CAPABILITY_SLOT_MAP]
     if runtime.host_tier is not None:
         capabilities += [pb.CAPABILITY_HOST_CACHE, pb.CAPABILITY_TIERED_DEMOTION]

@@ -1,4 +1,4 @@
-"""The data plane: storaged's hot-path protocol on a Unix socket beside the gRPC one (version 1).
+"""The data plane: storaged's hot-path protocol on a Unix socket beside the gRPC one (version 2).
 
 gRPC stays the control plane (Info, Attach, Stats, health); a Python gRPC round trip costs
 hundreds of microseconds, so the per-layer requests of a decode step travel here instead:
@@ -16,6 +16,17 @@ Every frame is a 16-byte header `<IHHQ`: body length, kind, flags (0), request i
                                              <- PREFETCH_OK u32 loads started
     RELEASE    u32 has_layer, u32 layer      -> <- RELEASE_OK (empty)
                                              <- ERROR u32 status code, utf-8 message
+
+A connection whose first frame is ARENA instead of HELLO only fetches the arena's file
+descriptor (a memfd arena, AttachResponse.arena.memfd) and is then closed by the daemon; it binds
+nothing, so a session on a gRPC Acquire stream maps its arena this way too:
+
+    ARENA      u32 version, utf-8 session id ->
+                                             <- ARENA_OK (empty) + the arena's memfd (SCM_RIGHTS)
+
+The file is sealed against writes: a client can map it read-only only (docs/storaged.md). Like
+every request, ARENA is answered only to a peer the allow-list admits: a refused one gets
+PERMISSION_DENIED and no descriptor.
 
 The ERROR status codes are gRPC's canonical codes (grpc.StatusCode values) with the meanings the
 proto lists for Acquire, Prefetch and Release; a request that fails is answered with ERROR and
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import struct
 
-VERSION = 1
+VERSION = 2  # 2: the ARENA exchange (memfd arenas); 1 had path-named shared-memory arenas
 
 HEADER = struct.Struct("<IHHQ")  # body bytes, kind, flags, request id
 assert HEADER.size == 16
@@ -52,6 +63,8 @@ class Kind:
     PREFETCH_OK = 6
     RELEASE = 7
     RELEASE_OK = 8
+    ARENA = 9
+    ARENA_OK = 10
     ERROR = 15
 
 

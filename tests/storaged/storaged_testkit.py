@@ -133,12 +133,14 @@ def daemon_env(**extra: str) -> dict[str, str]:
 
 
 class Daemon:
-    """A storaged subprocess on a temp socket; stderr is collected for assertions."""
+    """A storaged subprocess on a temp socket; stderr is collected for assertions. `prefix`: a
+    command the daemon runs under (e.g. setpriv, to run it as another user)."""
 
-    def __init__(self, config: Path, socket: Path, *extra_args: str, env: dict | None = None):
+    def __init__(self, config: Path, socket: Path, *extra_args: str, env: dict | None = None,
+                 prefix: tuple[str, ...] = ()):
         self.socket = socket
         self.process = subprocess.Popen(
-            [PYTHON, "-m", "storaged", "--config", str(config), *extra_args],
+            [*prefix, PYTHON, "-m", "storaged", "--config", str(config), *extra_args],
             cwd=REPO, env=env or daemon_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
@@ -186,14 +188,14 @@ def run_daemon_expecting_failure(config: Path, *extra_args: str, timeout: float 
 
 
 def start_daemon(directory: Path, models: dict[str, Path], *extra_args: str, env: dict | None = None,
-                 socket_path: Path | None = None, **fields) -> Daemon:
+                 socket_path: Path | None = None, prefix: tuple[str, ...] = (), **fields) -> Daemon:
     """Write a config under `directory` and start a daemon (socket in `directory` unless given);
     waits until it reports SERVING."""
     socket = socket_path or directory / "storaged.sock"
     fields.setdefault("metrics_address", "off")
     fields.setdefault("vram_cache_bytes", 10 * SLOT_BYTES)
     config = write_config(directory / "storaged.toml", models=models, socket=str(socket), **fields)
-    daemon = Daemon(config, socket, *extra_args, env=env)
+    daemon = Daemon(config, socket, *extra_args, env=env, prefix=prefix)
     try:
         daemon.wait_serving()
     except BaseException:

@@ -15,7 +15,7 @@ from storaged.client import (CapacityExhausted, ClientClosed, DataLoss, InvalidR
                              SessionBusy, StorageClient, StorageError, Unavailable)
 from storaged.client.errors import from_rpc_error
 from storaged.client.layout import arena_from_proto, layers_from_proto
-from storaged.device.descriptor import KIND_CUDA_IPC, KIND_SHM
+from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD
 from storaged.device.errors import ArenaDescriptorError
 from storaged_testkit import PYTHON, REPO
 
@@ -86,8 +86,8 @@ def test_layout_decoding_with_an_override():
 
 
 def test_arena_descriptor_decoding():
-    shm = arena_from_proto(pb.ArenaDescriptor(shm=pb.SharedMemoryArena(path="/dev/shm/a")), 8192, 4)
-    assert (shm.kind, shm.shm_path, shm.arena_bytes) == (KIND_SHM, "/dev/shm/a", 32768)
+    memfd = arena_from_proto(pb.ArenaDescriptor(memfd=pb.MemfdArena(), slot_map_entries=10), 8192, 4)
+    assert (memfd.kind, memfd.arena_bytes, memfd.mapped_bytes) == (KIND_MEMFD, 32768, 32768 + 4096)
     cuda = arena_from_proto(pb.ArenaDescriptor(
         cuda_ipc=pb.CudaIpcArena(ipc_handle=b"h" * 64, device=1, storage_size_bytes=32768,
                                  ref_counter_handle=b"r", event_handle=b"e", event_sync_required=True),
@@ -96,8 +96,8 @@ def test_arena_descriptor_decoding():
     assert cuda.export_event_handle == b"e" and cuda.export_event_sync_required
     with pytest.raises(ArenaDescriptorError, match="no arena memory"):
         arena_from_proto(pb.ArenaDescriptor(), 8192, 4)
-    with pytest.raises(ArenaDescriptorError, match="offset 4096"):
-        arena_from_proto(pb.ArenaDescriptor(shm=pb.SharedMemoryArena(path="/dev/shm/a", offset=4096)), 8192, 4)
+    with pytest.raises(ArenaDescriptorError, match="path-named shared-memory arena"):  # writable by its group
+        arena_from_proto(pb.ArenaDescriptor(shm=pb.SharedMemoryArena(path="/dev/shm/a")), 8192, 4)
 
 
 def test_client_imports_nothing_from_the_server():

@@ -1,13 +1,13 @@
-"""CPU arena, client mapping from another process, host tier, descriptors and copy handles."""
+"""CPU arena (a sealed memfd), client mapping from another process, host tier, descriptors and copy handles."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 from dataclasses import asdict
@@ -15,18 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from arena_attacks import attacks
 
-from storaged.device import (ArenaClosedError, ArenaDescriptor, ArenaDescriptorError, ArenaMapError,
+from storaged.device import (ArenaClosedError, ArenaDescriptor, ArenaDescriptorError, ArenaError, ArenaMapError,
                              CopySizeError, CpuArena, CudaArena, CudaUnavailableError, HostTier,
                              SlotRangeError, create_arena, map_arena)
+from storaged.device.arena import ARENA_SEALS
 from storaged.io import HostMemory
 
 REPO = Path(__file__).resolve().parents[2]
 SLOT = 2 * 4096
 
-# Maps the arena in a fresh interpreter: prints the sha256 of every slot, waits for a line on
-# stdin, prints them again (the server rewrites a slot in between), then reports whether grpc
-# was imported. With "write" it writes into a slot view instead, which must fault.
+# Maps the arena in a fresh interpreter, from the descriptor on stdin and the arena's fd (argv[2],
+# inherited): prints the sha256 of every slot, waits for a line on stdin, prints them again (the
+# server rewrites a slot in between), then reports whether grpc was imported. With "write" it
+# writes into a slot view instead, which must fault.
 CLIENT = """
 import hashlib, json, sys
 from storaged.device.client_arena import map_arena
@@ -36,7 +39,7 @@ def decode(value):
         return bytes.fromhex(value["hex"])
     return [decode(v) for v in value] if isinstance(value, list) else value
 fields = {k: decode(v) for k, v in json.loads(sys.stdin.readline()).items()}
-arena = map_arena(ArenaDescriptor(**fields))
+arena = map_arena(ArenaDescriptor(**fields), int(sys.argv[2]))
 if sys.argv[1] == "write":
     arena.slot_view(0, 16).fill_(7)
     print("wrote", flush=True)
@@ -50,11 +53,12 @@ print(json.dumps("grpc" in sys.modules), flush=True)
 """
 
 
-def _client(mode: str) -> subprocess.Popen:
+def _client(mode: str, fd: int) -> subprocess.Popen:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.Popen([sys.executable, "-c", CLIENT, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    return subprocess.Popen([sys.executable, "-c", CLIENT, mode, str(fd)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            pass_fds=(fd,))
 
 
 def encode_descriptor(descriptor: ArenaDescriptor) -> str:
@@ -94,7 +98,7 @@ def test_second_process_maps_the_arena_and_sees_live_bytes():
     with CpuArena(3, SLOT) as arena:
         for slot in range(3):
             arena.copy_in(slot, torch.frombuffer(bytearray(os.urandom(SLOT)), dtype=torch.uint8), SLOT)
-        client = _client("read")
+        client = _client("read", arena.client_fd)
         client.stdin.write(encode_descriptor(arena.descriptor()))
         client.stdin.flush()
         assert json.loads(client.stdout.readline()) == _slot_hashes(arena)
@@ -109,47 +113,81 @@ def test_second_process_maps_the_arena_and_sees_live_bytes():
 
 def test_client_mapping_is_read_only():
     with CpuArena(1, SLOT) as arena:
-        client = _client("write")
+        client = _client("write", arena.client_fd)
         out, err = client.communicate(encode_descriptor(arena.descriptor()), timeout=60)
         assert client.returncode == -signal.SIGSEGV and "wrote" not in out
         assert not arena.slot_tensor(0).any()
 
 
-@pytest.mark.parametrize("mode", [0o600, 0o660])
-def test_shm_file_mode_and_unlink_on_close(mode):
-    arena = CpuArena(2, SLOT, mode=mode)
-    path = arena.descriptor().shm_path
-    info = os.stat(path)
-    assert path.startswith("/dev/shm/expertpack-arena-") and stat.S_IMODE(info.st_mode) == mode
-    assert info.st_size == 2 * SLOT and info.st_blocks * 512 >= 2 * SLOT  # reserved, not sparse
-    client = map_arena(arena.descriptor())
-    arena.copy_in(1, torch.full((10,), 3, dtype=torch.uint8), 10)
+def test_the_arena_is_a_sealed_memfd_that_no_path_names():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    arena = CpuArena(2, SLOT)
+    fd = arena.client_fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:expertpack-arena")
+    assert (set(os.listdir("/dev/shm")) if before else set()) == before  # no file anywhere
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & ARENA_SEALS == ARENA_SEALS, hex(seals)
+    info = os.fstat(fd)
+    assert info.st_size == arena.allocation_bytes and info.st_blocks * 512 >= 2 * SLOT  # reserved, not sparse
+    client = map_arena(arena.descriptor(), fd)
+    arena.copy_in(1, torch.full((10,), 3, dtype=torch.uint8), 10)  # the daemon's own mapping still writes
+    assert bytes(arena.host_view(1, 10)) == bytes([3] * 10)
     arena.close()
-    assert not os.path.exists(path)
-    assert client.slot_view(1, 10).tolist() == [3] * 10  # an existing mapping outlives the file
-    with pytest.raises(ArenaMapError, match="cannot open"):
-        map_arena(ArenaDescriptor(kind="shm", slot_bytes=SLOT, slot_count=2, shm_path=path))
+    assert client.slot_view(1, 10).tolist() == [3] * 10  # an existing mapping outlives the arena
     with pytest.raises(ArenaClosedError):
         arena.slot_tensor(0)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with the arena
     client.close()
     with pytest.raises(ArenaClosedError):
         client.slot_view(0)
 
 
-def test_two_arenas_get_distinct_names_and_bad_modes_are_refused():
+def test_no_descriptor_of_the_arena_can_change_its_bytes():
+    """The kernel refuses every write path, to root too; only the daemon's own mapping writes."""
+    with CpuArena(2, SLOT) as arena:
+        arena.copy_in(0, torch.full((SLOT,), 7, dtype=torch.uint8), SLOT)
+        outcomes = attacks(arena.client_fd, arena.allocation_bytes)
+        assert [name for name, o in outcomes.items() if not o.startswith("refused")] == [], outcomes
+        assert len(outcomes) == 8
+        assert arena.slot_tensor(0).eq(7).all() and os.fstat(arena.client_fd).st_size == arena.allocation_bytes
+
+
+def test_a_kernel_that_refuses_the_write_seal_gets_no_arena(monkeypatch):
+    import storaged.device.arena as arena_module
+
+    # what a kernel before 5.1 answers to F_SEAL_FUTURE_WRITE: EINVAL for a seal it does not know
+    monkeypatch.setattr(arena_module, "ARENA_SEALS", arena_module.ARENA_SEALS | 0x8000)
+    with pytest.raises(ArenaError, match="refusing to share a writable arena"):
+        CpuArena(1, SLOT)
+
+
+def test_mapping_needs_the_right_descriptor():
+    with CpuArena(2, SLOT) as arena, CpuArena(1, SLOT) as small:
+        with pytest.raises(ArenaMapError, match="file descriptor"):
+            map_arena(arena.descriptor())
+        with pytest.raises(ArenaMapError, match="at least"):
+            map_arena(arena.descriptor(), small.client_fd)
+        with pytest.raises(ArenaMapError):
+            map_arena(arena.descriptor(), 987654)  # not open
+        cuda = ArenaDescriptor(kind="cuda_ipc", slot_bytes=SLOT, slot_count=1, device_index=0,
+                               ipc_handle=b"h" * 64, ref_counter_handle=b"/torch_1", storage_size_bytes=SLOT)
+        with pytest.raises(ArenaDescriptorError, match="not mapped from a file descriptor"):
+            map_arena(cuda, arena.client_fd)
+
+
+def test_two_arenas_are_distinct_files():
     with CpuArena(1, SLOT) as a, CpuArena(1, SLOT) as b:
-        assert a.path != b.path
-    with pytest.raises(ValueError, match="0o644"):
-        CpuArena(1, SLOT, mode=0o644)
+        assert os.fstat(a.client_fd).st_ino != os.fstat(b.client_fd).st_ino
 
 
 @pytest.mark.parametrize(("slot", "nbytes"), [(-1, 10), (4, 10), (0, SLOT + 1), (0, -1)])
 def test_slot_ranges_are_checked_everywhere(slot, nbytes):
     with CpuArena(4, SLOT) as arena:
-        client = map_arena(arena.descriptor())
+        client = map_arena(arena.descriptor(), arena.client_fd)
         source = torch.zeros(SLOT + 1, dtype=torch.uint8)
         for call in (lambda: arena.slot_tensor(slot, nbytes), lambda: arena.copy_in(slot, source, nbytes),
-                     lambda: client.slot_view(slot, nbytes)):
+                     lambda: client.slot_view(slot, nbytes), lambda: arena.host_view(slot, nbytes)):
             with pytest.raises(SlotRangeError, match=f"slot {slot} of 4"):
                 call()
 
@@ -167,9 +205,9 @@ def test_bad_copy_sources_are_refused(source, error):
 
 @pytest.mark.parametrize(("fields", "message"), [
     (dict(kind="nvme", slot_bytes=SLOT, slot_count=1), "kind"),
-    (dict(kind="shm", slot_bytes=1000, slot_count=1, shm_path="/dev/shm/x"), "multiple of 4096"),
-    (dict(kind="shm", slot_bytes=SLOT, slot_count=0, shm_path="/dev/shm/x"), "slot_count"),
-    (dict(kind="shm", slot_bytes=SLOT, slot_count=1), "shm_path"),
+    (dict(kind="shm", slot_bytes=SLOT, slot_count=1), "kind"),  # path-named arenas are gone
+    (dict(kind="memfd", slot_bytes=1000, slot_count=1), "multiple of 4096"),
+    (dict(kind="memfd", slot_bytes=SLOT, slot_count=0), "slot_count"),
     (dict(kind="cuda_ipc", slot_bytes=SLOT, slot_count=1, device_index=0), "IPC handle"),
     (dict(kind="cuda_ipc", slot_bytes=SLOT, slot_count=2, device_index=0, ipc_handle=b"h",
           ref_counter_handle=b"r", storage_size_bytes=SLOT), "cannot hold"),
@@ -197,7 +235,7 @@ def test_host_tier_fills_from_staging_and_copies_to_the_arena():
 
 def test_create_arena_kinds():
     arena = create_arena("auto" if not torch.cuda.is_available() else "cpu", 2, SLOT)
-    assert isinstance(arena, CpuArena) and arena.descriptor().kind == "shm"
+    assert isinstance(arena, CpuArena) and arena.descriptor().kind == "memfd"
     arena.close()
     with pytest.raises(ValueError, match="'tpu'"):
         create_arena("tpu", 2, SLOT)
@@ -211,23 +249,3 @@ def test_cuda_paths_fail_closed_without_cuda():
                                  ipc_handle=b"h" * 64, ref_counter_handle=b"/torch_1", storage_size_bytes=SLOT)
     with pytest.raises(CudaUnavailableError):
         map_arena(descriptor)
-
-
-def test_arena_files_of_dead_daemons_are_removed_at_start(tmp_path):
-    import subprocess
-
-    from storaged.device.arena import ARENA_PREFIX, CpuArena
-
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = tmp_path / f"{ARENA_PREFIX}{dead.pid}-0123456789abcdef"
-    alive = tmp_path / f"{ARENA_PREFIX}{os.getpid()}-fedcba9876543210"
-    unrelated = tmp_path / "other-file"
-    for path in (stale, alive, unrelated):
-        path.write_bytes(b"x")
-    arena = CpuArena(2, 4096, directory=str(tmp_path))
-    try:
-        assert not stale.exists()
-        assert alive.exists() and unrelated.exists()
-    finally:
-        arena.close()

@@ -74,7 +74,8 @@ def test_info(client):
     info = client.info()
     assert info.api_version == 1 and info.device == "cpu"
     assert info.slot_bytes == SLOT_BYTES and info.slot_count == SLOT_COUNT
-    assert {"SHM_ARENA", "PREFETCH", "CHECKSUM_VERIFY", "DIRECT_IO"} <= info.capabilities
+    assert {"MEMFD_ARENA", "PREFETCH", "CHECKSUM_VERIFY", "DIRECT_IO"} <= info.capabilities
+    assert not {"SHM_ARENA", "HIT_VERIFY"} & info.capabilities  # verify_hits is off by default
     model = info.models["tiny"]
     assert model.moe_layers == TEST_LAYERS and model.expert_count == TEST_EXPERTS
     assert model.model_type == "qwen3_moe" and model.max_object_bytes == 8704

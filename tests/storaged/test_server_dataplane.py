@@ -150,11 +150,16 @@ def _first_error(data: bytes) -> tuple[int, str]:
 
 @pytest.mark.parametrize("frames, code, match", [
     (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", 99) + b"x"), grpc.StatusCode.INVALID_ARGUMENT, "version 99"),
-    (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", 1) + b"no-such-session"), grpc.StatusCode.NOT_FOUND,
+    (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", 1) + b"x"), grpc.StatusCode.INVALID_ARGUMENT, "version 1 "),
+    (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", wire.VERSION) + b"no-such-session"), grpc.StatusCode.NOT_FOUND,
      "unknown"),
+    (wire.frame(wire.Kind.ARENA, 0, struct.pack("<I", wire.VERSION) + b"no-such-session"), grpc.StatusCode.NOT_FOUND,
+     "unknown"),
+    (wire.frame(wire.Kind.ARENA, 0, struct.pack("<I", 99) + b"x"), grpc.StatusCode.INVALID_ARGUMENT, "version 99"),
     (wire.frame(wire.Kind.ACQUIRE, 0, b""), grpc.StatusCode.INVALID_ARGUMENT, "expected a HELLO"),
     (wire.HEADER.pack(1 << 30, wire.Kind.HELLO, 0, 0), grpc.StatusCode.INVALID_ARGUMENT, "expected a HELLO"),
-    (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", 1) + b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT, "UTF-8"),
+    (wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", wire.VERSION) + b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT,
+     "UTF-8"),
 ])
 def test_bad_hellos_are_refused_with_a_status(served, frames, code, match):
     daemon, _ = served
@@ -172,7 +177,7 @@ def test_bad_hellos_are_refused_with_a_status(served, frames, code, match):
 def test_malformed_requests_are_invalid_argument_and_close_the_connection(client, served, request_frame, match):
     daemon, _ = served
     reply = client._call("Attach", pb.AttachRequest(model="tiny"))  # a session with no channel bound yet
-    hello = wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", 1) + reply.session_id.encode())
+    hello = wire.frame(wire.Kind.HELLO, 0, struct.pack("<I", wire.VERSION) + reply.session_id.encode())
     data = _raw(daemon, hello + request_frame)
     length = wire.HEADER.unpack_from(data)[0]
     code, message = _first_error(data[wire.HEADER.size + length:])

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#expertpack/storage/v1/storage.proto\x12\x15\x65xpertpack.storage.v1\"\r\n\x0bInfoRequest\"\x95\x02\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\r\x12\x37\n\x0c\x63\x61pabilities\x18\x03 \x03(\x0e\x32!.expertpack.storage.v1.Capability\x12\x30\n\x06models\x18\x04 \x03(\x0b\x32 .expertpack.storage.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x12\n\nslot_count\x18\x07 \x01(\r\x12\x18\n\x10host_cache_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_ids_per_acquire\x18\t \x01(\r\"\x86\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nmoe_layers\x18\x03 \x03(\r\x12\x14\n\x0c\x65xpert_count\x18\x04 \x01(\r\x12\x18\n\x10max_object_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62undle_path\x18\x06 \x01(\t\"\x1e\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x9f\x02\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x35\n\x05\x61rena\x18\x02 \x01(\x0b\x32&.expertpack.storage.v1.ArenaDescriptor\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".expertpack.storage.v1.ModelLayout\x12\x30\n\x08slot_map\x18\x06 \x01(\x0b\x32\x1e.expertpack.storage.v1.SlotMap\x12\x34\n\ndata_plane\x18\x07 \x01(\x0b\x32 .expertpack.storage.v1.DataPlane\"H\n\x07SlotMap\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x65xperts_per_row\x18\x02 \x01(\r\x12\x0e\n\x06layers\x18\x03 \x03(\r\"1\n\tDataPlane\x12\x13\n\x0bsocket_path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\xd2\x01\n\x0f\x41renaDescriptor\x12\x37\n\x03shm\x18\x01 \x01(\x0b\x32(.expertpack.storage.v1.SharedMemoryArenaH\x00\x12\x37\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32#.expertpack.storage.v1.CudaIpcArenaH\x00\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x15\n\revent_handles\x18\x04 \x03(\x0c\x12\x18\n\x10slot_map_entries\x18\x05 \x01(\x04\x42\x08\n\x06memory\"1\n\x11SharedMemoryArena\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xd7\x01\n\x0c\x43udaIpcArena\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"P\n\x0bModelLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x06layers\x18\x02 \x03(\x0b\x32\".expertpack.storage.v1.LayerLayout\"\xb9\x01\n\x0bLayerLayout\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x14\n\x0c\x65xpert_count\x18\x02 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x03 \x01(\x04\x12\x30\n\x05roles\x18\x04 \x03(\x0b\x32!.expertpack.storage.v1.RoleLayout\x12=\n\x10\x65xpert_overrides\x18\x05 \x03(\x0b\x32#.expertpack.storage.v1.ExpertLayout\"f\n\x0c\x45xpertLayout\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x02 \x01(\x04\x12\x30\n\x05roles\x18\x03 \x03(\x0b\x32!.expertpack.storage.v1.RoleLayout\"|\n\nRoleLayout\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.expertpack.storage.v1.Role\x12\x14\n\x0c\x65lement_type\x18\x02 \x01(\r\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"v\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x1c\n\x14release_other_layers\x18\x05 \x01(\x08\"J\n\x0f\x41\x63quireResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x14\n\x0cready_events\x18\x03 \x03(\x05\"B\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\x05layer\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_layer\"\x11\n\x0fReleaseResponse\"E\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"\x12\n\x10PrefetchResponse\"\x0e\n\x0cStatsRequest\"\xe9\x03\n\rStatsResponse\x12/\n\x05tiers\x18\x01 \x03(\x0b\x32 .expertpack.storage.v1.TierStats\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x11\n\th2d_bytes\x18\x03 \x01(\x04\x12\x11\n\tio_errors\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x06 \x01(\x04\x12\x15\n\rprefetch_used\x18\x07 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x08 \x01(\x04\x12\x10\n\x08sessions\x18\t \x01(\r\x12\x0c\n\x04pins\x18\n \x01(\x04\x12\x10\n\x08\x61\x63quires\x18\x0b \x01(\x04\x12\x1a\n\x12\x63\x61pacity_exhausted\x18\x0c \x01(\x04\x12\x1f\n\x17\x61\x63quire_latency_mean_us\x18\r \x01(\x01\x12\x1c\n\x14read_latency_mean_us\x18\x0e \x01(\x01\x12\x17\n\x0floads_in_flight\x18\x0f \x01(\r\x12\r\n\x05reads\x18\x10 \x01(\x04\x12\x11\n\tdemotions\x18\x11 \x01(\x04\x12\x11\n\td2h_bytes\x18\x12 \x01(\x04\x12\x13\n\x0b\x66\x65nce_waits\x18\x13 \x01(\x04\x12\x19\n\x11\x66\x65nce_revocations\x18\x14 \x01(\x04\"\xa7\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x18\n\x10resident_experts\x18\x05 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_slots\x18\x07 \x01(\x04\x12\x11\n\tcoalesced\x18\x08 \x01(\x04\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse*\xa3\x02\n\nCapability\x12\x1a\n\x16\x43\x41PABILITY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41PABILITY_SHM_ARENA\x10\x01\x12\x1d\n\x19\x43\x41PABILITY_CUDA_IPC_ARENA\x10\x02\x12\x19\n\x15\x43\x41PABILITY_HOST_CACHE\x10\x03\x12\x17\n\x13\x43\x41PABILITY_PREFETCH\x10\x04\x12\x1e\n\x1a\x43\x41PABILITY_CHECKSUM_VERIFY\x10\x05\x12\x18\n\x14\x43\x41PABILITY_DIRECT_IO\x10\x06\x12\x19\n\x15\x43\x41PABILITY_DATA_PLANE\x10\x07\x12\x17\n\x13\x43\x41PABILITY_SLOT_MAP\x10\x08\x12\x1e\n\x1a\x43\x41PABILITY_TIERED_DEMOTION\x10\t*\xff\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_GATE\x10\x01\x12\x0b\n\x07ROLE_UP\x10\x02\x12\r\n\tROLE_DOWN\x10\x03\x12\x10\n\x0cROLE_GATE_UP\x10\x04\x12\x12\n\x0eROLE_GATE_BIAS\x10\x05\x12\x10\n\x0cROLE_UP_BIAS\x10\x06\x12\x12\n\x0eROLE_DOWN_BIAS\x10\x07\x12\x15\n\x11ROLE_GATE_UP_BIAS\x10\x08\x12\x13\n\x0fROLE_GATE_SCALE\x10\t\x12\x11\n\rROLE_UP_SCALE\x10\n\x12\x13\n\x0fROLE_DOWN_SCALE\x10\x0b\x12\x16\n\x12ROLE_GATE_UP_SCALE\x10\x0c\x32\xf7\x04\n\rExpertStorage\x12O\n\x04Info\x12\".expertpack.storage.v1.InfoRequest\x1a#.expertpack.storage.v1.InfoResponse\x12U\n\x06\x41ttach\x12$.expertpack.storage.v1.AttachRequest\x1a%.expertpack.storage.v1.AttachResponse\x12\\\n\x07\x41\x63quire\x12%.expertpack.storage.v1.AcquireRequest\x1a&.expertpack.storage.v1.AcquireResponse(\x01\x30\x01\x12X\n\x07Release\x12%.expertpack.storage.v1.ReleaseRequest\x1a&.expertpack.storage.v1.ReleaseResponse\x12[\n\x08Prefetch\x12&.expertpack.storage.v1.PrefetchRequest\x1a\'.expertpack.storage.v1.PrefetchResponse\x12R\n\x05Stats\x12#.expertpack.storage.v1.StatsRequest\x1a$.expertpack.storage.v1.StatsResponse\x12U\n\x06\x44\x65tach\x12$.expertpack.storage.v1.DetachRequest\x1a%.expertpack.storage.v1.DetachResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#expertpack/storage/v1/storage.proto\x12\x15\x65xpertpack.storage.v1\"\r\n\x0bInfoRequest\"\x95\x02\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\r\x12\x37\n\x0c\x63\x61pabilities\x18\x03 \x03(\x0e\x32!.expertpack.storage.v1.Capability\x12\x30\n\x06models\x18\x04 \x03(\x0b\x32 .expertpack.storage.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x12\n\nslot_count\x18\x07 \x01(\r\x12\x18\n\x10host_cache_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_ids_per_acquire\x18\t \x01(\r\"\x86\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nmoe_layers\x18\x03 \x03(\r\x12\x14\n\x0c\x65xpert_count\x18\x04 \x01(\r\x12\x18\n\x10max_object_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62undle_path\x18\x06 \x01(\t\"\x1e\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x9f\x02\n\x0e\x41ttachResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x35\n\x05\x61rena\x18\x02 \x01(\x0b\x32&.expertpack.storage.v1.ArenaDescriptor\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\x32\n\x06layout\x18\x05 \x01(\x0b\x32\".expertpack.storage.v1.ModelLayout\x12\x30\n\x08slot_map\x18\x06 \x01(\x0b\x32\x1e.expertpack.storage.v1.SlotMap\x12\x34\n\ndata_plane\x18\x07 \x01(\x0b\x32 .expertpack.storage.v1.DataPlane\"H\n\x07SlotMap\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x65xperts_per_row\x18\x02 \x01(\r\x12\x0e\n\x06layers\x18\x03 \x03(\r\"1\n\tDataPlane\x12\x13\n\x0bsocket_path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x86\x02\n\x0f\x41renaDescriptor\x12\x37\n\x03shm\x18\x01 \x01(\x0b\x32(.expertpack.storage.v1.SharedMemoryArenaH\x00\x12\x37\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32#.expertpack.storage.v1.CudaIpcArenaH\x00\x12\x32\n\x05memfd\x18\x06 \x01(\x0b\x32!.expertpack.storage.v1.MemfdArenaH\x00\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x15\n\revent_handles\x18\x04 \x03(\x0c\x12\x18\n\x10slot_map_entries\x18\x05 \x01(\x04\x42\x08\n\x06memory\"1\n\x11SharedMemoryArena\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x0c\n\nMemfdArena\"\xd7\x01\n\x0c\x43udaIpcArena\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"P\n\x0bModelLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x06layers\x18\x02 \x03(\x0b\x32\".expertpack.storage.v1.LayerLayout\"\xb9\x01\n\x0bLayerLayout\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x14\n\x0c\x65xpert_count\x18\x02 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x03 \x01(\x04\x12\x30\n\x05roles\x18\x04 \x03(\x0b\x32!.expertpack.storage.v1.RoleLayout\x12=\n\x10\x65xpert_overrides\x18\x05 \x03(\x0b\x32#.expertpack.storage.v1.ExpertLayout\"f\n\x0c\x45xpertLayout\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x02 \x01(\x04\x12\x30\n\x05roles\x18\x03 \x03(\x0b\x32!.expertpack.storage.v1.RoleLayout\"|\n\nRoleLayout\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.expertpack.storage.v1.Role\x12\x14\n\x0c\x65lement_type\x18\x02 \x01(\r\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"v\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x1c\n\x14release_other_layers\x18\x05 \x01(\x08\"J\n\x0f\x41\x63quireResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x14\n\x0cready_events\x18\x03 \x03(\x05\"B\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\x05layer\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_layer\"\x11\n\x0fReleaseResponse\"E\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"\x12\n\x10PrefetchResponse\"\x0e\n\x0cStatsRequest\"\x98\x04\n\rStatsResponse\x12/\n\x05tiers\x18\x01 \x03(\x0b\x32 .expertpack.storage.v1.TierStats\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x11\n\th2d_bytes\x18\x03 \x01(\x04\x12\x11\n\tio_errors\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x17\n\x0fprefetch_issued\x18\x06 \x01(\x04\x12\x15\n\rprefetch_used\x18\x07 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x08 \x01(\x04\x12\x10\n\x08sessions\x18\t \x01(\r\x12\x0c\n\x04pins\x18\n \x01(\x04\x12\x10\n\x08\x61\x63quires\x18\x0b \x01(\x04\x12\x1a\n\x12\x63\x61pacity_exhausted\x18\x0c \x01(\x04\x12\x1f\n\x17\x61\x63quire_latency_mean_us\x18\r \x01(\x01\x12\x1c\n\x14read_latency_mean_us\x18\x0e \x01(\x01\x12\x17\n\x0floads_in_flight\x18\x0f \x01(\r\x12\r\n\x05reads\x18\x10 \x01(\x04\x12\x11\n\tdemotions\x18\x11 \x01(\x04\x12\x11\n\td2h_bytes\x18\x12 \x01(\x04\x12\x13\n\x0b\x66\x65nce_waits\x18\x13 \x01(\x04\x12\x19\n\x11\x66\x65nce_revocations\x18\x14 \x01(\x04\x12\x15\n\rhits_verified\x18\x15 \x01(\x04\x12\x16\n\x0ehit_mismatches\x18\x16 \x01(\x04\"\xa7\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x18\n\x10resident_experts\x18\x05 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_slots\x18\x07 \x01(\x04\x12\x11\n\tcoalesced\x18\x08 \x01(\x04\"#\n\rDetachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65tachResponse*\xda\x02\n\nCapability\x12\x1a\n\x16\x43\x41PABILITY_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41PABILITY_SHM_ARENA\x10\x01\x12\x1d\n\x19\x43\x41PABILITY_CUDA_IPC_ARENA\x10\x02\x12\x19\n\x15\x43\x41PABILITY_HOST_CACHE\x10\x03\x12\x17\n\x13\x43\x41PABILITY_PREFETCH\x10\x04\x12\x1e\n\x1a\x43\x41PABILITY_CHECKSUM_VERIFY\x10\x05\x12\x18\n\x14\x43\x41PABILITY_DIRECT_IO\x10\x06\x12\x19\n\x15\x43\x41PABILITY_DATA_PLANE\x10\x07\x12\x17\n\x13\x43\x41PABILITY_SLOT_MAP\x10\x08\x12\x1e\n\x1a\x43\x41PABILITY_TIERED_DEMOTION\x10\t\x12\x1a\n\x16\x43\x41PABILITY_MEMFD_ARENA\x10\n\x12\x19\n\x15\x43\x41PABILITY_HIT_VERIFY\x10\x0b*\xff\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_GATE\x10\x01\x12\x0b\n\x07ROLE_UP\x10\x02\x12\r\n\tROLE_DOWN\x10\x03\x12\x10\n\x0cROLE_GATE_UP\x10\x04\x12\x12\n\x0eROLE_GATE_BIAS\x10\x05\x12\x10\n\x0cROLE_UP_BIAS\x10\x06\x12\x12\n\x0eROLE_DOWN_BIAS\x10\x07\x12\x15\n\x11ROLE_GATE_UP_BIAS\x10\x08\x12\x13\n\x0fROLE_GATE_SCALE\x10\t\x12\x11\n\rROLE_UP_SCALE\x10\n\x12\x13\n\x0fROLE_DOWN_SCALE\x10\x0b\x12\x16\n\x12ROLE_GATE_UP_SCALE\x10\x0c\x32\xf7\x04\n\rExpertStorage\x12O\n\x04Info\x12\".expertpack.storage.v1.InfoRequest\x1a#.expertpack.storage.v1.InfoResponse\x12U\n\x06\x41ttach\x12$.expertpack.storage.v1.AttachRequest\x1a%.expertpack.storage.v1.AttachResponse\x12\\\n\x07\x41\x63quire\x12%.expertpack.storage.v1.AcquireRequest\x1a&.expertpack.storage.v1.AcquireResponse(\x01\x30\x01\x12X\n\x07Release\x12%.expertpack.storage.v1.ReleaseRequest\x1a&.expertpack.storage.v1.ReleaseResponse\x12[\n\x08Prefetch\x12&.expertpack.storage.v1.PrefetchRequest\x1a\'.expertpack.storage.v1.PrefetchResponse\x12R\n\x05Stats\x12#.expertpack.storage.v1.StatsRequest\x1a$.expertpack.storage.v1.StatsResponse\x12U\n\x06\x44\x65tach\x12$.expertpack.storage.v1.DetachRequest\x1a%.expertpack.storage.v1.DetachResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertpack.storage.v1.storage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CAPABILITY']._serialized_start=3031
-  _globals['_CAPABILITY']._serialized_end=3322
-  _globals['_ROLE']._serialized_start=3325
-  _globals['_ROLE']._serialized_end=3580
+  _globals['_CAPABILITY']._serialized_start=3144
+  _globals['_CAPABILITY']._serialized_end=3490
+  _globals['_ROLE']._serialized_start=3493
+  _globals['_ROLE']._serialized_end=3748
   _globals['_INFOREQUEST']._serialized_start=62
   _globals['_INFOREQUEST']._serialized_end=75
   _globals['_INFORESPONSE']._serialized_start=78
@@ -50,41 +50,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATAPLANE']._serialized_start=890
   _globals['_DATAPLANE']._serialized_end=939
   _globals['_ARENADESCRIPTOR']._serialized_start=942
-  _globals['_ARENADESCRIPTOR']._serialized_end=1152
-  _globals['_SHAREDMEMORYARENA']._serialized_start=1154
-  _globals['_SHAREDMEMORYARENA']._serialized_end=1203
-  _globals['_CUDAIPCARENA']._serialized_start=1206
-  _globals['_CUDAIPCARENA']._serialized_end=1421
-  _globals['_MODELLAYOUT']._serialized_start=1423
-  _globals['_MODELLAYOUT']._serialized_end=1503
-  _globals['_LAYERLAYOUT']._serialized_start=1506
-  _globals['_LAYERLAYOUT']._serialized_end=1691
-  _globals['_EXPERTLAYOUT']._serialized_start=1693
-  _globals['_EXPERTLAYOUT']._serialized_end=1795
-  _globals['_ROLELAYOUT']._serialized_start=1797
-  _globals['_ROLELAYOUT']._serialized_end=1921
-  _globals['_ACQUIREREQUEST']._serialized_start=1923
-  _globals['_ACQUIREREQUEST']._serialized_end=2041
-  _globals['_ACQUIRERESPONSE']._serialized_start=2043
-  _globals['_ACQUIRERESPONSE']._serialized_end=2117
-  _globals['_RELEASEREQUEST']._serialized_start=2119
-  _globals['_RELEASEREQUEST']._serialized_end=2185
-  _globals['_RELEASERESPONSE']._serialized_start=2187
-  _globals['_RELEASERESPONSE']._serialized_end=2204
-  _globals['_PREFETCHREQUEST']._serialized_start=2206
-  _globals['_PREFETCHREQUEST']._serialized_end=2275
-  _globals['_PREFETCHRESPONSE']._serialized_start=2277
-  _globals['_PREFETCHRESPONSE']._serialized_end=2295
-  _globals['_STATSREQUEST']._serialized_start=2297
-  _globals['_STATSREQUEST']._serialized_end=2311
-  _globals['_STATSRESPONSE']._serialized_start=2314
-  _globals['_STATSRESPONSE']._serialized_end=2803
-  _globals['_TIERSTATS']._serialized_start=2806
-  _globals['_TIERSTATS']._serialized_end=2973
-  _globals['_DETACHREQUEST']._serialized_start=2975
-  _globals['_DETACHREQUEST']._serialized_end=3010
-  _globals['_DETACHRESPONSE']._serialized_start=3012
-  _globals['_DETACHRESPONSE']._serialized_end=3028
-  _globals['_EXPERTSTORAGE']._serialized_start=3583
-  _globals['_EXPERTSTORAGE']._serialized_end=4214
+  _globals['_ARENADESCRIPTOR']._serialized_end=1204
+  _globals['_SHAREDMEMORYARENA']._serialized_start=1206
+  _globals['_SHAREDMEMORYARENA']._serialized_end=1255
+  _globals['_MEMFDARENA']._serialized_start=1257
+  _globals['_MEMFDARENA']._serialized_end=1269
+  _globals['_CUDAIPCARENA']._serialized_start=1272
+  _globals['_CUDAIPCARENA']._serialized_end=1487
+  _globals['_MODELLAYOUT']._serialized_start=1489
+  _globals['_MODELLAYOUT']._serialized_end=1569
+  _globals['_LAYERLAYOUT']._serialized_start=1572
+  _globals['_LAYERLAYOUT']._serialized_end=1757
+  _globals['_EXPERTLAYOUT']._serialized_start=1759
+  _globals['_EXPERTLAYOUT']._serialized_end=1861
+  _globals['_ROLELAYOUT']._serialized_start=1863
+  _globals['_ROLELAYOUT']._serialized_end=1987
+  _globals['_ACQUIREREQUEST']._serialized_start=1989
+  _globals['_ACQUIREREQUEST']._serialized_end=2107
+  _globals['_ACQUIRERESPONSE']._serialized_start=2109
+  _globals['_ACQUIRERESPONSE']._serialized_end=2183
+  _globals['_RELEASEREQUEST']._serialized_start=2185
+  _globals['_RELEASEREQUEST']._serialized_end=2251
+  _globals['_RELEASERESPONSE']._serialized_start=2253
+  _globals['_RELEASERESPONSE']._serialized_end=2270
+  _globals['_PREFETCHREQUEST']._serialized_start=2272
+  _globals['_PREFETCHREQUEST']._serialized_end=2341
+  _globals['_PREFETCHRESPONSE']._serialized_start=2343
+  _globals['_PREFETCHRESPONSE']._serialized_end=2361
+  _globals['_STATSREQUEST']._serialized_start=2363
+  _globals['_STATSREQUEST']._serialized_end=2377
+  _globals['_STATSRESPONSE']._serialized_start=2380
+  _globals['_STATSRESPONSE']._serialized_end=2916
+  _globals['_TIERSTATS']._serialized_start=2919
+  _globals['_TIERSTATS']._serialized_end=3086
+  _globals['_DETACHREQUEST']._serialized_start=3088
+  _globals['_DETACHREQUEST']._serialized_end=3123
+  _globals['_DETACHRESPONSE']._serialized_start=3125
+  _globals['_DETACHRESPONSE']._serialized_end=3141
+  _globals['_EXPERTSTORAGE']._serialized_start=3751
+  _globals['_EXPERTSTORAGE']._serialized_end=4382
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,8 @@ class Capability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CAPABILITY_DATA_PLANE: _ClassVar[Capability]
     CAPABILITY_SLOT_MAP: _ClassVar[Capability]
     CAPABILITY_TIERED_DEMOTION: _ClassVar[Capability]
+    CAPABILITY_MEMFD_ARENA: _ClassVar[Capability]
+    CAPABILITY_HIT_VERIFY: _ClassVar[Capability]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +47,8 @@ CAPABILITY_DIRECT_IO: Capability
 CAPABILITY_DATA_PLANE: Capability
 CAPABILITY_SLOT_MAP: Capability
 CAPABILITY_TIERED_DEMOTION: Capability
+CAPABILITY_MEMFD_ARENA: Capability
+CAPABILITY_HIT_VERIFY: Capability
 ROLE_UNSPECIFIED: Role
 ROLE_GATE: Role
 ROLE_UP: Role
@@ -144,18 +148,20 @@ class DataPlane(_message.Message):
     def __init__(self, socket_path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ArenaDescriptor(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "size_bytes", "event_handles", "slot_map_entries")
+    __slots__ = ("shm", "cuda_ipc", "memfd", "size_bytes", "event_handles", "slot_map_entries")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAP_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryArena
     cuda_ipc: CudaIpcArena
+    memfd: MemfdArena
     size_bytes: int
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     slot_map_entries: int
-    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_map_entries: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., memfd: _Optional[_Union[MemfdArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_map_entries: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryArena(_message.Message):
     __slots__ = ("path", "offset")
@@ -164,6 +170,10 @@ class SharedMemoryArena(_message.Message):
     path: str
     offset: int
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class MemfdArena(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CudaIpcArena(_message.Message):
     __slots__ = ("ipc_handle", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -286,7 +296,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads", "demotions", "d2h_bytes", "fence_waits", "fence_revocations")
+    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads", "demotions", "d2h_bytes", "fence_waits", "fence_revocations", "hits_verified", "hit_mismatches")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +317,8 @@ class StatsResponse(_message.Message):
     D2H_BYTES_FIELD_NUMBER: _ClassVar[int]
     FENCE_WAITS_FIELD_NUMBER: _ClassVar[int]
     FENCE_REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    HIT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     bytes_read: int
     h2d_bytes: int
@@ -327,7 +339,9 @@ class StatsResponse(_message.Message):
     d2h_bytes: int
     fence_waits: int
     fence_revocations: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ..., demotions: _Optional[int] = ..., d2h_bytes: _Optional[int] = ..., fence_waits: _Optional[int] = ..., fence_revocations: _Optional[int] = ...) -> None: ...
+    hits_verified: int
+    hit_mismatches: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ..., demotions: _Optional[int] = ..., d2h_bytes: _Optional[int] = ..., fence_waits: _Optional[int] = ..., fence_revocations: _Optional[int] = ..., hits_verified: _Optional[int] = ..., hit_mismatches: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "hits", "misses", "evictions", "resident_experts", "resident_bytes", "capacity_slots", "coalesced")
