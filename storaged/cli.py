@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--io-parallelism", type=int)
     parser.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--verify-hits", type=float, metavar="FRACTION",
+                        help="share of cache hits re-checked against their checksum: 0 off (default), 1.0 every hit")
     parser.add_argument("--metrics-address", help="host:port of the Prometheus endpoint, or 'off'")
     parser.add_argument("--device", help="'cpu' or 'cuda:N'")
     parser.add_argument("--shutdown-grace-seconds", type=float)
@@ -51,7 +53,8 @@ def config_from_args(args: argparse.Namespace) -> StoragedConfig:
         "socket": args.socket, "vram_cache_bytes": args.vram_cache_bytes,
         "host_cache_bytes": args.host_cache_bytes, "staging_buffers": args.staging_buffers,
         "io_parallelism": args.io_parallelism, "direct_io": args.direct_io,
-        "verify_checksums": args.verify_checksums, "metrics_address": args.metrics_address,
+        "verify_checksums": args.verify_checksums, "verify_hits": args.verify_hits,
+        "metrics_address": args.metrics_address,
         "device": args.device, "shutdown_grace_seconds": args.shutdown_grace_seconds,
         "max_ids_per_acquire": args.max_ids_per_acquire, "fence_timeout_seconds": args.fence_timeout_seconds,
     }

@@ -72,6 +72,10 @@ class StoragedConfig:
     io_parallelism: int = 4  # pack reads in flight
     direct_io: bool = True  # O_DIRECT pack reads (bypass the page cache)
     verify_checksums: bool = True  # crc32 of every object read, before its slot is published
+    # Share of Acquire hits whose bytes in the arena are re-checked against the object's crc32
+    # before they are served: 0 = off, 1.0 = every hit, between = a random sample. For a CUDA
+    # arena, which every client that maps it can write (server/hit_verify.py).
+    verify_hits: float = 0.0
     metrics_address: str = DEFAULT_METRICS_ADDRESS  # host:port of the Prometheus endpoint; "" = off
     device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
     shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
@@ -112,6 +116,7 @@ class StoragedConfig:
         for field in ("direct_io", "verify_checksums"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(field, getattr(self, field), "expected true or false")
+        set_(self, "verify_hits", self._checked_verify_hits())
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
             raise ConfigError("device", self.device, "expected 'cpu' or 'cuda:N'")
         grace = self.shutdown_grace_seconds
@@ -125,6 +130,17 @@ class StoragedConfig:
         set_(self, "metrics_address", self._checked_metrics_address())
         for field in ("allowed_uids", "allowed_gids"):
             set_(self, field, self._checked_ids(field))
+
+    def _checked_verify_hits(self) -> float:
+        rate = self.verify_hits
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:  # NaN fails too
+            raise ConfigError("verify_hits", rate, "expected the share of hits to verify, from 0 (off) to 1.0 "
+                              "(every hit)")
+        if rate and not self.verify_checksums:
+            raise ConfigError("verify_hits", rate, "needs verify_checksums = true: a hit is checked against the "
+                              "checksum its load was verified with, and one that fails is reloaded from the pack, "
+                              "which must then be verified too")
+        return float(rate)
 
     def _checked_metrics_address(self) -> str:
         address = self.metrics_address

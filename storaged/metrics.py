@@ -72,6 +72,11 @@ class StoragedMetrics:
         self.io_errors = Counter(p + "io_errors_total", "Pack reads the OS failed", registry=r)
         self.checksum_failures = Counter(p + "checksum_failures_total", "Objects whose crc32 mismatched",
                                          registry=r)
+        self.hits_verified = Counter(p + "hits_verified_total",
+                                     "Acquire hits re-checked against their crc32 (verify_hits)", registry=r)
+        self.hit_mismatches = Counter(p + "hit_mismatches_total",
+                                      "Verified hits whose bytes mismatched (reloaded from the pack, not served)",
+                                      registry=r)
         self.prefetch_issued = Counter(p + "prefetch_issued_total", "Prefetch loads started", registry=r)
         self.prefetch_used = Counter(p + "prefetch_used_total", "Prefetched experts later acquired",
                                      registry=r)
@@ -130,6 +135,11 @@ class StoragedMetrics:
 
     def record_checksum_failure(self) -> None:
         self.checksum_failures.inc()
+
+    def record_hit_verified(self, *, mismatch: bool) -> None:
+        self.hits_verified.inc()
+        if mismatch:
+            self.hit_mismatches.inc()
 
     def record_prefetch(self, *, issued: int = 0, used: int = 0, wasted: int = 0) -> None:
         self.prefetch_issued.inc(issued)

@@ -12,7 +12,8 @@ the pack on NVMe. `SlotMapLayout` places each object's entry in the arena's slot
 - `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer, and on
   request drop its pins on the model's other layers; hits, single-flight waits, loads from host
   or pack; all-or-nothing on CapacityExhausted), Prefetch
-  (free or cold slots only, never pinned or loading ones), completion/abort, release/close.
+  (free or cold slots only, never pinned or loading ones), completion/abort, release/close, and
+  `reload(key)`: a resident object whose bytes failed verification is loaded again in its slot.
 - `PolicyStats`: counters and gauges for the Stats RPC and Prometheus.
 
 Pure Python, no I/O. Not thread-safe and need not be: storaged calls it only from its single

@@ -194,6 +194,14 @@ class AcquirePlanner:
         self._settle_host(key, pending.host_use, loaded=True)
         return self.vram.complete(key)
 
+    def reload(self, key: ExpertKey) -> ExpertStep:
+        """A READY VRAM entry's bytes failed verification: it is LOADING again in the same slot,
+        pins kept (other requests now wait for it), to be read from the pack; like any load it ends
+        with complete(key) or abort(key), which drops it and every session's pin on it."""
+        slot = self.vram.reload(key)
+        self._pending[key] = _PendingLoad(_HostUse.NONE, speculative=False)
+        return ExpertStep(key, slot, Source.PACK)
+
     def demoted(self, key: ExpertKey) -> int:
         """A demotion's copy to its host slot completed: the host entry is READY. Returns the slot."""
         self._end_demotion(key, "demoted")

@@ -213,6 +213,17 @@ class SlotCache:
             self._evictable.push(entry)
         return entry.slot
 
+    def reload(self, key: ExpertKey) -> int:
+        """READY → LOADING in place: the slot's bytes proved bad and a load will rewrite them. The
+        entry keeps its slot and pins, and ends with complete or abort like any load. Returns the slot."""
+        entry = self._entry(key, "reload")
+        if entry.state is not EntryState.READY:
+            raise PolicyStateError(self.tier, key, "reload of an entry that is not READY")
+        self._evictable.discard(entry)
+        entry.state = EntryState.LOADING
+        self._loading += 1
+        return entry.slot
+
     def abort(self, key: ExpertKey) -> int:
         """Drop a LOADING entry and free its slot (failed read). Returns the pins it had."""
         entry = self._entry(key, "abort")

@@ -9,6 +9,11 @@ joined the load (Source.WAIT) reply at `done`, when the slot is complete. Nothin
 published (planner.complete, and the slot map entry) before its copy has completed, so a later
 hit, through Acquire or through the map on the device, needs no event.
 
+With verify_hits (hit_verify.py), a sample of the hits is re-checked against the object's crc32
+before the reply; one whose bytes changed is never served: it goes back to LOADING in its slot
+(its map entry cleared, the step fences honoured) and is read from the pack again, and this
+request, like any other that wants it, waits for that load (DATA_LOSS if the pack's copy is bad).
+
 A slot taken from a victim is written only after (1) the victim's slot map entry was cleared
 and (2) every session that was mid-step when it was cleared finished that step (fences.py):
 a client reading the map on the device never sees a slot change under a step. A victim with a
@@ -31,9 +36,10 @@ from storaged.device.host_tier import HostTier
 from storaged.io.executor import ReadExecutor, ReadPriority
 from storaged.io.staging import StagingPool
 from storaged.metrics import StoragedMetrics
-from storaged.policy import (AcquirePlanner, CapacityExhausted, Demotion, Eviction, ExpertKey, ExpertStep,
-                             SlotMapLayout, Source)
+from storaged.policy import (AcquirePlanner, CapacityExhausted, Demotion, EntryState, Eviction, ExpertKey,
+                             ExpertStep, SlotMapLayout, Source)
 from storaged.server.fences import FenceTable, Snapshot
+from storaged.server.hit_verify import HitVerifier
 from storaged.server.models import ServedModel
 from storaged.server.sessions import Session
 
@@ -82,7 +88,7 @@ class StorageEngine:
     def __init__(self, planner: AcquirePlanner, arena: Arena,
                  staging: StagingPool, executor: ReadExecutor, metrics: StoragedMetrics, *,
                  host_tier: HostTier | None = None, max_ids: int, slot_map: SlotMapLayout,
-                 fences: FenceTable, sizes: dict[int, ServedModel]):
+                 fences: FenceTable, sizes: dict[int, ServedModel], verifier: HitVerifier | None = None):
         self.planner = planner
         self.arena = arena
         self.staging = staging
@@ -92,6 +98,7 @@ class StorageEngine:
         self.max_ids = max_ids
         self.slot_map = slot_map
         self.fences = fences
+        self.verifier = verifier
         self._models = sizes  # model id → ServedModel, for object sizes of demotions
         self._loads: dict[ExpertKey, _Load] = {}
         self._demotions: dict[ExpertKey, asyncio.Future] = {}  # → None once the host copy is complete
@@ -132,6 +139,13 @@ class StorageEngine:
             elif step.source.needs_io:
                 load = self._start_load(step, model, ReadPriority.DEMAND, reused.get(step.slot))
                 own_loads.append((index, load.issued))
+        if self.verifier is not None:
+            for index, step in await self.verifier.failures(plan.steps, model.pack):
+                load, own = self._reload(step, model)
+                if own:
+                    own_loads.append((index, load.issued))
+                else:
+                    joined.append(load.done)
         # Shielded: a request cancelled while waiting (its client left) must not cancel the
         # load's futures, which other requests and the load task itself still use.
         for index, issued in own_loads:
@@ -163,6 +177,22 @@ class StorageEngine:
 
     def close_session(self, session: Session) -> int:
         return self.planner.close_session(session.id)
+
+    def _reload(self, step: ExpertStep, model: ServedModel) -> tuple[_Load, bool]:
+        """A hit whose bytes failed verification: load it again in its slot, or join the reload
+        another request started; → (the load, whether this call started it)."""
+        key = step.key
+        load = self._loads.get(key)
+        if load is not None:
+            return load, False
+        vram = self.planner.vram
+        if vram.state(key) is not EntryState.READY or vram.slot_of(key) != step.slot:
+            # its pins were dropped meanwhile (a failed reload, or the session released them)
+            raise ObjectDataLoss(f"(layer {key.layer}, expert {key.expert}): its cached copy failed verification "
+                                 "and is no longer resident")
+        reload = self.planner.reload(key)
+        self.arena.unpublish([self.slot_map.index(key)])  # visible on return
+        return self._start_load(reload, model, ReadPriority.DEMAND, self.fences.snapshot()), True
 
     # ---- victims -----------------------------------------------------------------------------
 

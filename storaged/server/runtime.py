@@ -16,6 +16,7 @@ from storaged.metrics import MetricsServer, StoragedMetrics
 from storaged.policy import AcquirePlanner, SlotCache, SlotMapLayout
 from storaged.server.engine import StorageEngine
 from storaged.server.fences import FenceTable
+from storaged.server.hit_verify import HitVerifier
 from storaged.server.models import ServedModel
 
 CUDA_COPY_EVENTS = 256  # interprocess events cycled over copies into the arena
@@ -65,12 +66,15 @@ class Runtime:
     slot_map: SlotMapLayout
     fences: FenceTable
     metrics_server: MetricsServer | None = None
+    verifier: HitVerifier | None = None
 
     def close(self) -> None:
         """Stop reads, then free memory; call after the engine drained its loads."""
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.executor.close()
+        if self.verifier is not None:
+            self.verifier.close()
         self.fences.close()
         self.arena.synchronize()
         self.staging.close()
@@ -121,10 +125,11 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
             SlotCache(geometry.host_slots, slot_bytes=geometry.slot_bytes, tier="host")
             if geometry.host_slots else None, layouts)
         fences = FenceTable(timeout=config.fence_timeout_seconds)
+        verifier = HitVerifier(config.verify_hits, arena, staging, metrics) if config.verify_hits else None
         engine = StorageEngine(planner, arena, staging, executor, metrics, host_tier=host_tier,
                                max_ids=config.max_ids_per_acquire, slot_map=slot_map, fences=fences,
-                               sizes={m.model_id: m for m in models.values()})
+                               sizes={m.model_id: m for m in models.values()}, verifier=verifier)
         metrics_server = _start_metrics(metrics, config.metrics_address) if config.metrics_enabled else None
         undo.pop_all()
     return Runtime(geometry, arena, staging, host_tier, executor, metrics, planner, engine, slot_map, fences,
-                   metrics_server)
+                   metrics_server, verifier)

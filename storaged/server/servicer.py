@@ -58,6 +58,8 @@ def info_response(config: StoragedConfig, models: Mapping[str, ServedModel],
         capabilities += [pb.CAPABILITY_HOST_CACHE, pb.CAPABILITY_TIERED_DEMOTION]
     if config.verify_checksums:
         capabilities.append(pb.CAPABILITY_CHECKSUM_VERIFY)
+    if config.verify_hits:
+        capabilities.append(pb.CAPABILITY_HIT_VERIFY)
     if config.direct_io:
         capabilities.append(pb.CAPABILITY_DIRECT_IO)
     return pb.InfoResponse(

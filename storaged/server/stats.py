@@ -99,4 +99,5 @@ def stats_response(sync: MetricsSync) -> pb.StatsResponse:
         read_latency_mean_us=_mean_us(figures, "read_seconds"),
         loads_in_flight=sync.engine.loads_in_flight, reads=counter("read_seconds_count"),
         demotions=counter("demotions_total"), d2h_bytes=counter("d2h_bytes_total"),
-        fence_waits=counter("fence_waits_total"), fence_revocations=counter("fence_revocations_total"))
+        fence_waits=counter("fence_waits_total"), fence_revocations=counter("fence_revocations_total"),
+        hits_verified=counter("hits_verified_total"), hit_mismatches=counter("hit_mismatches_total"))

@@ -15,7 +15,7 @@ EXPECTED_FAMILIES = {
     "acquire_seconds", "resident_experts", "resident_bytes", "io_errors_total", "checksum_failures_total",
     "prefetch_issued_total", "prefetch_used_total", "prefetch_wasted_total", "sessions", "demotions_total",
     "d2h_bytes_total", "fence_waits_total", "fence_wait_seconds_total", "fence_revocations_total",
-    "dataplane_requests_total",
+    "dataplane_requests_total", "hits_verified_total", "hit_mismatches_total",
 }
 
 
@@ -52,6 +52,8 @@ def test_snapshot_reports_what_was_recorded():
     metrics.record_checksum_failure()
     metrics.record_prefetch(issued=5, used=3, wasted=1)
     metrics.set_sessions(2)
+    metrics.record_hit_verified(mismatch=False)
+    metrics.record_hit_verified(mismatch=True)
     figures = metrics.snapshot()
     expected = {
         "hits_total{tier=vram}": 3, "hits_total{tier=host}": 1, "misses_total{tier=vram}": 2,
@@ -60,6 +62,7 @@ def test_snapshot_reports_what_was_recorded():
         "resident_experts{tier=vram}": 7, "resident_bytes{tier=vram}": 57344, "resident_bytes{tier=host}": 0,
         "io_errors_total": 1, "checksum_failures_total": 1, "prefetch_issued_total": 5,
         "prefetch_used_total": 3, "prefetch_wasted_total": 1, "sessions": 2,
+        "hits_verified_total": 2, "hit_mismatches_total": 1,
     }
     assert {k: figures[k] for k in expected} == expected
     assert figures["read_seconds_sum"] == pytest.approx(0.003)
