@@ -27,7 +27,8 @@ class StoragedProcess:
     """
 
     def __init__(self, bundle: Path, *, model: str, device: str, vram_bytes: int, io_parallelism: int,
-                 staging_buffers: int, log_path: Path, host_bytes: int = 0, start_seconds: float = 180.0):
+                 staging_buffers: int, log_path: Path, host_bytes: int = 0, start_seconds: float = 180.0,
+                 extra_args: tuple[str, ...] = ()):
         from storaged.client import StorageClient, Unavailable
 
         self.socket_dir = Path(tempfile.mkdtemp(prefix="spb-", dir="/tmp"))  # short: sun_path limit
@@ -36,7 +37,7 @@ class StoragedProcess:
         command = [sys.executable, "-m", "storaged", "--model", f"{model}={bundle}", "--socket", str(socket),
                    "--device", device, "--vram-cache-bytes", str(vram_bytes), "--host-cache-bytes", str(host_bytes),
                    "--io-parallelism", str(io_parallelism), "--staging-buffers", str(staging_buffers),
-                   "--direct-io", "--verify-checksums", "--metrics-address", "off"]
+                   "--direct-io", "--verify-checksums", "--metrics-address", "off", *extra_args]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
