@@ -1,5 +1,7 @@
 """The fused experts GEMV's launch shape per expert type: time each (rows per program, warps) on
-one decode step's experts and keep the fastest (inference.kernels.ops.GEMV_TUNING).
+one decode step's experts and keep the fastest (inference.kernels.ops.GEMV_TUNING); the same for
+the prefill's grouped GEMM (pairs per block, rows per program, warps: ops.GEMM_TUNING), against
+the dequantize-then-grouped_mm path it replaced.
 
     python bench/gemv_sweep.py --types Q4_K MXFP4          # prints a table; --json keeps it
 
@@ -26,7 +28,7 @@ from packtools.pack import RoleEntry  # noqa: E402
 from packtools.pack.constants import ElementType, Role, tensor_nbytes  # noqa: E402
 from packtools.quants import random_blocks  # noqa: E402
 
-CONFIGS = [(8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+CONFIGS = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
 SHAPES = {"Q4_K": (2048, 768, 8), "MXFP4": (4096, 2048, 6)}  # hidden, intermediate, top-k of the bench shapes
 
 
@@ -92,6 +94,76 @@ def sweep(type_name: str, *, experts: int = 64, install: bool = True) -> dict:
             "default": next(r for r in rows if (r["block_n"], r["warps"]) == (ops.GEMV_BLOCK_N, ops.GEMV_WARPS))}
 
 
+GEMM_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 128, 8), (64, 128, 8)]
+
+
+def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install: bool = True) -> dict:
+    """The grouped GEMM of a `tokens`-token prefill (each token's top-k of `experts`, random):
+    each (pairs per block, rows per program, warps) timed on the up and down projections, against
+    the path it replaces (each distinct expert dequantized whole, then torch's grouped GEMMs)."""
+    from inference.dequant import dequantize_many
+
+    element_type = ElementType[type_name]
+    hidden, inter, top_k = SHAPES[type_name]
+    device = torch.device("cuda")
+    arena, slot_bytes, (gate, up, down) = _arena(element_type, hidden, inter, experts, device)
+    up_weight = ops.gemv_weight([gate, up], rows=2 * inter, cols=hidden)
+    down_weight = ops.gemv_weight([down], rows=hidden, cols=inter)
+    generator = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])  # [T, k]
+    sorted_experts, order = torch.sort(index.reshape(-1), stable=True)
+    ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    ids, counts, order = ids.tolist(), counts.tolist(), order.to(device)
+    pairs = tokens * top_k
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    h = torch.randn(pairs, inter, device=device, dtype=torch.bfloat16)
+    weight_bytes = len(ids) * (gate.nbytes + up.nbytes + down.nbytes)
+    rows = []
+    for block_m, block_n, warps in GEMM_CONFIGS:
+        blocks = ops.gemm_blocks(ids, counts, block_m).to(device)
+        cfg = (block_n, warps)
+        up_us = _time(lambda: ops.moe_gemm(x, order, blocks, arena, slot_bytes, up_weight, pairs=pairs, top_k=top_k,
+                                           gather_tokens=True, tuning=cfg), repeats=5)
+        down_us = _time(lambda: ops.moe_gemm(h, order, blocks, arena, slot_bytes, down_weight, pairs=pairs,
+                                             top_k=top_k, gather_tokens=False, tuning=cfg), repeats=5)
+        rows.append({"block_m": block_m, "block_n": block_n, "warps": warps, "up_us": up_us, "down_us": down_us,
+                     "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
+    best = min(rows, key=lambda r: r["up_us"] + r["down_us"])
+
+    table = arena.view(experts, slot_bytes)
+    rows_t = torch.tensor(ids, device=device)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(device)
+    xs = x[order // top_k]
+
+    def replaced() -> None:  # the old path: dequantize every touched expert, then grouped GEMMs
+        objects = table.index_select(0, rows_t)
+        w = {e.role: dequantize_many(objects[:, e.offset:e.offset + e.nbytes].contiguous(), element_type, e.shape,
+                                     torch.bfloat16) for e in (gate, up, down)}
+        gate_up = torch.cat([w[Role.GATE], w[Role.UP]], dim=1)  # [n, 2I, H]
+        torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(h, w[Role.DOWN].transpose(-2, -1), offs=offsets)
+
+    replaced_us = _time(replaced, repeats=3)
+    if install:
+        ops.GEMM_BLOCK_M = best["block_m"]
+        ops.GEMM_TUNING = (best["block_n"], best["warps"])
+    return {"type": type_name, "kind": "gemm", "tokens": tokens, "experts_touched": len(ids), "top_k": top_k,
+            "rows": rows, "best": best, "replaced_us": replaced_us}
+
+
+def gemm_report(result: dict) -> str:
+    lines = [f"{result['type']} grouped GEMM, {result['tokens']}-token prefill, {result['experts_touched']} experts "
+             f"touched (top-{result['top_k']}):"]
+    for r in result["rows"]:
+        lines.append(f"  pairs/block {r['block_m']:3d} rows/program {r['block_n']:3d} warps {r['warps']}: up "
+                     f"{r['up_us']:7.1f} us  down {r['down_us']:7.1f} us  {r['gbps']:7.1f} GB/s of weights")
+    b = result["best"]
+    total = b["up_us"] + b["down_us"]
+    lines.append(f"  best {b['block_m']}x{b['block_n']}x{b['warps']}: {total:.1f} us per layer vs dequantize + "
+                 f"grouped_mm {result['replaced_us']:.1f} us ({result['replaced_us'] / total:.2f}x)")
+    return "\n".join(lines)
+
+
 def report(result: dict) -> str:
     lines = [f"{result['type']} GEMV, top-{result['top_k']} experts of [2x{result['intermediate']}, {result['hidden']}] "
              f"+ [{result['hidden']}, {result['intermediate']}]:"]
@@ -109,9 +181,9 @@ def main(argv=None) -> int:
     parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    results = [sweep(name) for name in args.types]
+    results = [sweep(name) for name in args.types] + [gemm_sweep(name) for name in args.types]
     for result in results:
-        print(report(result))
+        print(gemm_report(result) if result.get("kind") == "gemm" else report(result))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -39,6 +39,7 @@ MODES = ("resident", "storaged-graph", "storaged-eager", "llamacpp")
 # kernel name -> kind; the first pattern that matches wins
 KINDS = (
     ("experts GEMV", r"moe_gemv"),
+    ("experts GEMM", r"moe_gemm"),
     ("combine", r"moe_combine"),
     ("dequantize", r"(q\d_k|q\d_\d|q8_0|mxfp4|ue8m0|f4_e2m1)_kernel|dequant"),
     ("grouped GEMM", r"grouped|GroupMM|group_gemm"),
@@ -130,6 +131,34 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int)
             "top_kernels_us_per_step": [[name, round(us, 1), round(count, 1)] for name, us, count in kernels[:25]]}
 
 
+def _profile_prefill(model, decoder, device: torch.device, vocab: int, prompt_len: int) -> dict:
+    """Device time by kind of one prefill of `prompt_len` tokens (after the timed runs warmed it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ids = prompt_ids(vocab, prompt_len)[0].tolist()
+    with torch.inference_mode():
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            started = time.perf_counter()
+            if decoder is not None:
+                decoder.start(ids)
+            else:
+                model(input_ids=torch.tensor([ids], device=device), use_cache=True)
+            synchronize(device)
+            wall = time.perf_counter() - started
+    kinds: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        if device.type == "cuda" and device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            kinds[classify(event.key)] = kinds.get(classify(event.key), 0.0) + device_us
+            kernels.append((event.key[:90], device_us, event.count))
+    kernels.sort(key=lambda k: -k[1])
+    return {"wall_ms": 1e3 * wall, "device_us_by_kind": kinds, "kernels": sum(k[2] for k in kernels),
+            "top_kernels_us": [[name, round(us, 1), count] for name, us, count in kernels[:12]]}
+
+
 def _prewarm(source, bundle_dir) -> None:
     """Acquire every expert of every layer once: the all-hit regime starts with all of them resident."""
     from packtools.bundle import open_bundle
@@ -165,13 +194,16 @@ def run(args) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     tuned = None
     if args.gemv_sweep and device.type == "cuda":
+        from bench.gemv_sweep import gemm_report, gemm_sweep
         from bench.gemv_sweep import report as sweep_report
         from bench.gemv_sweep import sweep
 
         tuned = sweep(shape.expert_type)  # installs the fastest launch shape for this run
         print(sweep_report(tuned), flush=True)
+        tuned["gemm"] = gemm_sweep(shape.expert_type, tokens=args.prompt_len)  # and the prefill GEMM's
+        print(gemm_report(tuned["gemm"]), flush=True)
     model = prepare_model(shape, args.layers, workdir, with_bf16_checkpoint=False, balanced_routing=True)
-    results = {"shape": shape.name, "layers": args.layers, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
+    results = {"shape": shape.name, "layers": args.layers, "prompt_len": args.prompt_len, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
@@ -191,6 +223,7 @@ def run(args) -> dict:
                                       tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder)
             waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
             profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps)
+            prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
         finally:
             for close in closers:
                 close()
@@ -200,7 +233,7 @@ def run(args) -> dict:
                   "prefill_tok_s": args.prompt_len / timing["prefill_seconds"],
                   "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
                   "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
-                  **profiled}
+                  **profiled, "prefill_profile": prefill_profile}
         if decoder is not None:
             record["steps_redone"] = decoder.redone_steps
         busy = sum(profiled["device_us_by_kind"].values()) / 1e6
@@ -228,6 +261,14 @@ def report(results: dict) -> str:
         if mode != "llamacpp" and peer.get("decode_tok_s") and r.get("decode_tok_s"):
             lines.append(f"{mode} / llama.cpp: decode {r['decode_tok_s'] / peer['decode_tok_s']:.3f}x, "
                          f"prefill {r['prefill_tok_s'] / peer['prefill_tok_s']:.3f}x")
+    for mode, r in results["modes"].items():
+        pre = r.get("prefill_profile")
+        if pre:
+            busy = sum(pre["device_us_by_kind"].values()) / 1e3
+            lines.append(f"{mode} prefill of {results.get('prompt_len', '?')} tokens: {pre['wall_ms']:.2f} ms wall, "
+                         f"device {busy:.2f} ms, {pre['kernels']} kernels: " + ", ".join(
+                             f"{k} {v / 1e3:.2f}" for k, v in sorted(pre["device_us_by_kind"].items(),
+                                                                     key=lambda kv: -kv[1])) + " (ms)")
     for mode, r in results["modes"].items():
         if r.get("top_kernels_us_per_step"):
             lines.append(f"{mode}: {r['kernels_per_step']:.0f} kernels per step; top: " + "; ".join(

@@ -165,11 +165,11 @@ def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, 
         raise ExpertSourceError(binding.layer, f"asked for {len(expert_ids)} experts {expert_ids}, "
                                 f"got {len(rows.index)} rows")
     device = hidden_states.device
-    index = torch.tensor(rows.index, dtype=torch.int32).to(device, non_blocking=True)  # [n] row of each expert
     tokens, top_k = top_k_index.shape
     if tokens * top_k > F.GROUPED_PAIRS:
-        return F.grouped_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, pair_order,
-                                 expert_counts, index.to(torch.int64), rows.arena, rows.stride)
+        return F.grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
+                                 pair_order, expert_counts, list(rows.index), rows.arena, rows.stride)
+    index = torch.tensor(rows.index, dtype=torch.int32).to(device, non_blocking=True)  # [n] row of each expert
     lut = torch.full((binding.plan.target.num_experts,), -1, dtype=torch.int32, device=device)  # expert -> row
     lut[unique] = index
     return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lut, rows.arena, rows.stride)
@@ -186,9 +186,8 @@ def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index
     for ids, counts in groups:
         rows = acquire_rows(binding.source, binding.layer, ids)
         pairs = pair_order[start:start + sum(counts)]  # this group's pairs, sorted by expert
-        index = torch.tensor(rows.index, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
-        by_pair[pairs] = F.grouped_outputs(module, binding.plan, hidden_states, top_k_index.shape[1], pairs, counts,
-                                           index, rows.arena, rows.stride)
+        by_pair[pairs] = F.grouped_outputs(module, binding.plan, binding.fused, hidden_states, top_k_index.shape[1],
+                                           pairs, counts, list(rows.index), rows.arena, rows.stride)
         start += len(pairs)
     return F.moe_combine(by_pair, top_k_weights, top_k_index)
 

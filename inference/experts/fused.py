@@ -7,8 +7,10 @@ Two shapes of work, both free of Python loops over experts:
   per-layer allocation of the experts' weights, so a decode step made of it can be captured in a
   CUDA graph; a pair whose slot is negative (not resident) yields garbage that the caller,
   who sees the negative slot, throws away.
-- `grouped_forward` (prefill, many tokens): each distinct expert's weights are dequantized once
-  from its slot, then one grouped GEMM per projection runs over the pairs sorted by expert.
+- `grouped_forward` (prefill, many tokens): the pairs sorted by expert, one grouped GEMM per
+  projection that reads the slots in place and dequantizes each expert's weight tiles once per
+  block of its pairs (tensor-core dots); weights the kernels cannot read are dequantized whole
+  from the slot first, then multiplied by torch's grouped GEMM.
 
 Arithmetic follows transformers' eager experts forward: weights rounded to the module's dtype,
 matmul outputs rounded to it, the activation from the module, each contribution rounded, and the
@@ -25,7 +27,7 @@ import dataclasses
 import torch
 
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
-from inference.kernels.ops import GemvWeight, gemv_weight, moe_combine, moe_gemv
+from inference.kernels.ops import GemvWeight, gemm_blocks, gemv_weight, moe_combine, moe_gemm, moe_gemv
 
 GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
 
@@ -130,27 +132,54 @@ def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, to
     return moe_combine(out, top_k_weights, top_k_index)
 
 
-def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k: int, pairs: torch.Tensor,
-                    counts: list[int], expert_rows: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
-    """[S, H]: the outputs of `pairs` (pair indices sorted by expert; `counts` pairs per distinct
-    expert, whose objects are rows `expert_rows` (int64 [n]) of `arena`), before the routing
-    weights: each expert dequantized once, one grouped GEMM per projection."""
+def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan | None, x: torch.Tensor, top_k: int,
+                    pairs: torch.Tensor, counts: list[int], rows: list[int], arena: torch.Tensor,
+                    stride: int) -> torch.Tensor:
+    """[S, H]: the outputs of `pairs` (int64 [S] pair indices sorted by expert; `counts` pairs per
+    distinct expert, whose objects are arena rows `rows`), in that order, before the routing
+    weights. With a FusedPlan: one grouped GEMM per projection reading the slots in place, each
+    block of an expert's pairs dequantizing its weights once (inference.kernels); without
+    (weights the kernels cannot read): each expert dequantized once, then torch's grouped GEMMs."""
+    if fused is not None:
+        return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, counts, rows, arena, stride)
     from inference.experts.forward import expert_outputs
 
     count = arena.numel() // stride
-    rows = arena[: count * stride].view(count, stride).index_select(0, expert_rows)  # uint8 [n, stride]
-    weights = plan.materialize_rows(rows)  # name -> [n, ...]
+    index = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)  # [n]
+    objects = arena[: count * stride].view(count, stride).index_select(0, index)  # uint8 [n, stride]
+    weights = plan.materialize_rows(objects)  # name -> [n, ...]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(x.device, non_blocking=True)  # [n]
     return expert_outputs(module, plan, x[pairs // top_k], weights, offsets)  # [S, H]
 
 
-def grouped_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, pair_order: torch.Tensor, counts: list[int],
-                    expert_rows: torch.Tensor, arena: torch.Tensor, stride: int) -> torch.Tensor:
-    """[T, H] for many tokens: the n distinct experts (rows `expert_rows`, int64 [n], ascending
-    expert id; `counts` their pair counts) are dequantized once, then grouped GEMMs over the pairs
-    sorted by expert (`pair_order`, [T*k] pair indices)."""
-    out = grouped_outputs(module, plan, x, top_k_index.shape[1], pair_order, counts, expert_rows, arena, stride)
+def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor, top_k: int,
+                         pairs: torch.Tensor, counts: list[int], rows: list[int], arena: torch.Tensor,
+                         stride: int) -> torch.Tensor:
+    total = pairs.numel()
+    blocks = gemm_blocks(rows, counts).to(x.device)
+    parts = [moe_gemm(x, pairs, blocks, arena, stride, w, pairs=total, top_k=top_k, gather_tokens=True)
+             for w in fused.up]  # [S, rows_i], sorted order
+    gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [S, 2I] (or [S, I])
+    object_rows = None
+    if fused.up_biases or fused.down_bias is not None:
+        slots = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(counts))  # [S]
+        object_rows = _pair_rows(slots.to(x.device), arena, stride)
+    gate_up = _add_bias(gate_up, fused.up_biases, plan, object_rows)
+    hidden = _activate(module, plan, fused, gate_up).contiguous()  # [S, I]
+    down = moe_gemm(hidden, pairs, blocks, arena, stride, fused.down, pairs=total, top_k=top_k, gather_tokens=False)
+    down = _add_bias(down, (fused.down_bias,) if fused.down_bias is not None else (), plan, object_rows)
+    if getattr(module, "has_post_expert_norm", False):
+        down = module.post_expert_norm(down)
+    return down  # [S, H]
+
+
+def grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan | None, x: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_order: torch.Tensor,
+                    counts: list[int], rows: list[int], arena: torch.Tensor, stride: int) -> torch.Tensor:
+    """[T, H] for many tokens: the n distinct experts (arena rows `rows`, ascending expert id;
+    `counts` their pair counts) computed over the pairs sorted by expert (`pair_order`, [T*k]
+    pair indices), see grouped_outputs; then the combine."""
+    out = grouped_outputs(module, plan, fused, x, top_k_index.shape[1], pair_order, counts, rows, arena, stride)
     by_pair = torch.empty_like(out)
     by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
     return moe_combine(by_pair, top_k_weights, top_k_index)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from inference.kernels import quant_dot as qd
+from inference.kernels import quant_tile as qt
 
 # Kernel type codes (the QT constexpr), filled by ops.GEMV_TYPES.
 QT_F32, QT_F16, QT_BF16 = 0, 1, 2
@@ -30,18 +31,8 @@ QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = 9, 10, 11, 12, 13
 def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
     if QT <= 2:
         return qd.dot_float(row, kb, nblk, x_row, rmask, QT, NB, WR, INTERP)
-    elif QT == 3:
-        return qd.dot_q8_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 4:
-        return qd.dot_q4_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 5:
-        return qd.dot_q4_1(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 6:
-        return qd.dot_q5_0(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 7:
-        return qd.dot_q5_1(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 8:
-        return qd.dot_mxfp4(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT <= 8:
+        return qd.dot_blocks32(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 9:
         return qd.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 10:
@@ -116,3 +107,50 @@ def moe_combine_kernel(y_ptr, y_stride, w_ptr, expert_ptr, out_ptr, out_stride, 
         c = qd.round_weights(y * w, WR, True)
         acc = qd.round_weights(acc + c, WR, True)
     tl.store(out_ptr + t * out_stride + h, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+@triton.jit
+def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_bytes, off1, off2, n_split, row_bytes,
+                    nblk, out_ptr, out_stride, N,
+                    QT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """out[s, n] = sum_k W[n, k] x[row(s), k] for up to BLOCK_M expert-sorted pairs s of one expert.
+
+    Block b of blocks_ptr (int32 [B, 3]: slot, first sorted position, pairs) names the expert's
+    arena slot and its pairs s = first .. first + pairs - 1; order_ptr[s] (int64) is pair s's
+    index p = token * TOP_K + j. With GATHER_TOKENS x row(s) is p's token (the up projection
+    reading hidden states), else s itself (down, reading the activation in sorted order). The
+    weight tile of each step is dequantized once for all of the block's pairs (tensor-core dot);
+    rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
+    """
+    b = tl.program_id(0)
+    slot = tl.load(blocks_ptr + 3 * b).to(tl.int64)
+    first = tl.load(blocks_ptr + 3 * b + 1)
+    count = tl.load(blocks_ptr + 3 * b + 2)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < count  # [BM]
+    s = (first + m).to(tl.int64)  # [BM] sorted positions
+    if GATHER_TOKENS:
+        x_rows = tl.load(order_ptr + s, mask=mmask, other=0) // TOP_K
+    else:
+        x_rows = s
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+    nmask = n < N
+    n64 = n.to(tl.int64)
+    row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
+    row = (arena_ptr + slot * slot_bytes + row_offset)[:, None]  # [BN, 1] uint8 ptrs
+    rmask = nmask[:, None]
+    x_base = x_ptr + x_rows[:, None] * x_stride  # [BM, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(0, nblk, NB):
+        w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, INTERP)  # [BN, BK], [BK]
+        a = tl.load(x_base + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+        if INTERP:  # the interpreter has no bfloat16 dot: float32 of the same (exact) values
+            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+        elif WR == 0:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w.to(x_ptr.dtype.element_ty)))
+    out = qd.round_weights(acc, WR, INTERP)
+    tl.store(out_ptr + s[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])

@@ -47,6 +47,11 @@ GEMV_TUNING: dict[ElementType, tuple[int, int]] = {
                                    ElementType.Q5_1, ElementType.MXFP4)},
 }
 COMBINE_BLOCK_H = 256
+# The grouped GEMM (prefill): pairs per block (the tensor-core dot's M; an expert's pairs are cut
+# into blocks of this many), then (output rows per program, warps). A step covers the GEMV's
+# blocks per step: 256 columns for the block types, 64 for plain floats.
+GEMM_BLOCK_M = 16
+GEMM_TUNING: tuple[int, int] = (64, 4)
 
 _triton: ModuleType | None = None
 _triton_error: BaseException | None = None
@@ -161,6 +166,59 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
         QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=block_n,
         WR=ROUNDING[out_dtype], INTERP=_interpreted(), TOP_K=top_k, X_PER_PAIR=x_per_pair,
         COUNT_MISSES=misses is not None, num_warps=warps,
+        enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
+    )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmBlocks:
+    """The grouped GEMM's work list: int32 [B, 3] rows of (arena row, first sorted position,
+    pairs), each block at most `block_m` pairs of one expert."""
+
+    table: torch.Tensor
+    block_m: int
+
+    def to(self, device: torch.device) -> GemmBlocks:
+        return GemmBlocks(self.table.to(device, non_blocking=True), self.block_m)
+
+
+def gemm_blocks(rows: Sequence[int], counts: Sequence[int], block_m: int | None = None) -> GemmBlocks:
+    """The blocks of experts whose objects are at arena `rows` with `counts` pairs each, their
+    pairs sorted by expert in this order; an expert with more than block_m pairs (default
+    GEMM_BLOCK_M) takes several blocks."""
+    block_m = block_m or GEMM_BLOCK_M
+    table = []
+    first = 0
+    for row, count in zip(rows, counts, strict=True):
+        for start in range(0, count, block_m):
+            table.append((row, first + start, min(block_m, count - start)))
+        first += count
+    return GemmBlocks(torch.tensor(table, dtype=torch.int32).reshape(-1, 3), block_m)
+
+
+def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,
+             weight: GemvWeight, *, pairs: int, top_k: int, gather_tokens: bool,
+             tuning: tuple[int, int] | None = None) -> torch.Tensor:
+    """[pairs, rows] in expert-sorted order: row s is W(s's expert) · x[order[s] // top_k] when
+    gather_tokens (x: hidden states [T, cols]), else W · x[s] (x: [pairs, cols], sorted order).
+
+    order: int64 [pairs], pair indices sorted by expert; blocks: `gemm_blocks` of the same sort,
+    on x's device; each block's weight tiles are dequantized once for all of its pairs.
+    """
+    module = triton_module()
+    assert module is not None, "moe_gemm without triton: check fused_unavailable_reason first"
+    assert x.stride(-1) == 1 and x.shape[-1] == weight.cols, (tuple(x.shape), weight)
+    out = torch.empty((pairs, weight.rows), dtype=x.dtype, device=x.device)  # [S, N]
+    if pairs == 0:
+        return out
+    block_n, warps = tuning or GEMM_TUNING
+    grid = (blocks.table.shape[0], -(-weight.rows // block_n))
+    module.moe_gemm_kernel[grid](
+        x, x.stride(0), order, blocks.table, arena, slot_bytes, weight.first_offset, weight.second_offset, weight.split,
+        weight.row_bytes, weight.blocks_per_row, out, out.stride(0), weight.rows,
+        QT=weight.code, NB=weight.blocks_per_step, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
+        TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(), num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

@@ -76,11 +76,12 @@ def reduce_tile(tile, RANK: tl.constexpr):
 
 
 # ---- plain floats: a "block" is one element -----------------------------------------------------
+# ---- plain floats: a "block" is one element -----------------------------------------------------
 
 @triton.jit
-def dot_float(row, kb, nblk, x_row, rmask, ELEM: tl.constexpr, NB: tl.constexpr, WR: tl.constexpr,
-              INTERP: tl.constexpr):
-    """F32 (ELEM 0), F16 (1), BF16 (2): NB elements of each row."""
+def weights_float(row, kb, nblk, rmask, ELEM: tl.constexpr, NB: tl.constexpr, WR: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """F32 (ELEM 0), F16 (1), BF16 (2): (weights [BN, NB], their element offsets [1, NB], valid [1, NB])."""
     k = kb + tl.arange(0, NB)[None, :]  # [1, NB]
     kmask = k < nblk
     mask = rmask & kmask  # [BN, NB]
@@ -90,11 +91,19 @@ def dot_float(row, kb, nblk, x_row, rmask, ELEM: tl.constexpr, NB: tl.constexpr,
         w = tl.load((row + k * 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
     else:
         w = tl.load((row + k * 2).to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0).to(tl.float32)
-    w = round_weights(w, WR, INTERP)
+    return round_weights(w, WR, INTERP), k, kmask
+
+
+@triton.jit
+def dot_float(row, kb, nblk, x_row, rmask, ELEM: tl.constexpr, NB: tl.constexpr, WR: tl.constexpr,
+              INTERP: tl.constexpr):
+    w, k, kmask = weights_float(row, kb, nblk, rmask, ELEM, NB, WR, INTERP)
     return w * _x(x_row, k, kmask)  # [BN, NB]
 
 
 # ---- 32-element block types: a [BN, NB, 16] tile of payload bytes per step ----------------------
+# Each `_halves_<type>` returns the unrounded weights of elements 0..15 (`low`) and 16..31
+# (`high`) of NB blocks of every row, [BN, NB, 16] each.
 
 @triton.jit
 def _blocks32(row, kb, nblk, rmask, TYPE_SIZE: tl.constexpr, NB: tl.constexpr):
@@ -116,36 +125,29 @@ def _halves_dot(low, high, x_row, xoff, xmask, WR: tl.constexpr, INTERP: tl.cons
 
 
 @triton.jit
-def dot_q8_0(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_q8_0(base, mask, lane):
     """Q8_0, 34 B: fp16 d @0, int8 x[32] @2; x * d."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 34, NB)
     d = load_fp16_as_f32(base, mask)  # f32 [BN, NB, 1]
     low = tl.load(base + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     high = tl.load(base + 18 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    return _halves_dot(low * d, high * d, x_row, xoff, xmask, WR, INTERP)
+    return low * d, high * d
 
 
 @triton.jit
-def dot_q4_0(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_q4_0(base, mask, lane):
     """Q4_0, 18 B: fp16 d @0, nibbles @2; d * (q - 8)."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 18, NB)
     d = load_fp16_as_f32(base, mask)
     packed = load_bytes(base + 2 + lane, mask)  # i32 [BN, NB, 16]
-    low = d * ((packed & 0x0F) - 8).to(tl.float32)
-    high = d * ((packed >> 4) - 8).to(tl.float32)
-    return _halves_dot(low, high, x_row, xoff, xmask, WR, INTERP)
+    return d * ((packed & 0x0F) - 8).to(tl.float32), d * ((packed >> 4) - 8).to(tl.float32)
 
 
 @triton.jit
-def dot_q4_1(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_q4_1(base, mask, lane):
     """Q4_1, 20 B: fp16 d @0, fp16 m @2, nibbles @4; (d * q) + m."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 20, NB)
     d = load_fp16_as_f32(base, mask)
     m = load_fp16_as_f32(base + 2, mask)
     packed = load_bytes(base + 4 + lane, mask)
-    low = (d * (packed & 0x0F).to(tl.float32)) + m
-    high = (d * (packed >> 4).to(tl.float32)) + m
-    return _halves_dot(low, high, x_row, xoff, xmask, WR, INTERP)
+    return (d * (packed & 0x0F).to(tl.float32)) + m, (d * (packed >> 4).to(tl.float32)) + m
 
 
 @triton.jit
@@ -159,46 +161,74 @@ def _qh_word3(base, offset: tl.constexpr, mask):
 
 
 @triton.jit
-def dot_q5_0(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_q5_0(base, mask, lane):
     """Q5_0, 22 B: fp16 d @0, uint32 qh @2, nibbles @6; d * (q - 16)."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 22, NB)
     d = load_fp16_as_f32(base, mask)
     qh = _qh_word3(base, 2, mask)
     packed = load_bytes(base + 6 + lane, mask)
     low = (packed & 0x0F) | (((qh >> lane) & 1) << 4)
     high = (packed >> 4) | (((qh >> (lane + 16)) & 1) << 4)
-    return _halves_dot(d * (low - 16).to(tl.float32), d * (high - 16).to(tl.float32), x_row, xoff, xmask, WR,
-                       INTERP)
+    return d * (low - 16).to(tl.float32), d * (high - 16).to(tl.float32)
 
 
 @triton.jit
-def dot_q5_1(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_q5_1(base, mask, lane):
     """Q5_1, 24 B: fp16 d @0, fp16 m @2, uint32 qh @4, nibbles @8; (d * q) + m."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 24, NB)
     d = load_fp16_as_f32(base, mask)
     m = load_fp16_as_f32(base + 2, mask)
     qh = _qh_word3(base, 4, mask)
     packed = load_bytes(base + 8 + lane, mask)
     low = (packed & 0x0F) | (((qh >> lane) & 1) << 4)
     high = (packed >> 4) | (((qh >> (lane + 16)) & 1) << 4)
-    return _halves_dot((d * low.to(tl.float32)) + m, (d * high.to(tl.float32)) + m, x_row, xoff, xmask, WR,
-                       INTERP)
+    return (d * low.to(tl.float32)) + m, (d * high.to(tl.float32)) + m
 
 
 @triton.jit
-def dot_mxfp4(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _halves_mxfp4(base, mask, lane):
     """MXFP4, 17 B: E8M0 e @0, e2m1 nibbles @1; e8m0_half(e) * kvalue(q)."""
-    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 17, NB)
     e = load_bytes(base, mask)  # i32 [BN, NB, 1] biased exponent
     # 2**(e - 128): a float32 subnormal for e < 2, like ggml_e8m0_to_fp32_half.
     subnormal = tl.full(e.shape, 0x00200000, tl.int32) << e
     d = tl.where(e < 2, subnormal, (tl.maximum(e, 1) - 1) << 23).to(tl.float32, bitcast=True)
     packed = load_bytes(base + 1 + lane, mask)
-    return _halves_dot(_mxfp4_value(packed & 0x0F, d), _mxfp4_value(packed >> 4, d), x_row, xoff, xmask, WR,
-                       INTERP)
+    return _mxfp4_value(packed & 0x0F, d), _mxfp4_value(packed >> 4, d)
+
+
+@triton.jit
+def halves32(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr):
+    """(low, high, x offsets of low [1, NB, 16], x mask [1, NB, 1]) of a 32-element type; QT
+    codes as in moe_triton: 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q5_0, 7 Q5_1, 8 MXFP4."""
+    if QT == 3:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 34, NB)
+        low, high = _halves_q8_0(base, mask, lane)
+    elif QT == 4:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 18, NB)
+        low, high = _halves_q4_0(base, mask, lane)
+    elif QT == 5:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 20, NB)
+        low, high = _halves_q4_1(base, mask, lane)
+    elif QT == 6:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 22, NB)
+        low, high = _halves_q5_0(base, mask, lane)
+    elif QT == 7:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 24, NB)
+        low, high = _halves_q5_1(base, mask, lane)
+    else:
+        base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 17, NB)
+        low, high = _halves_mxfp4(base, mask, lane)
+    return low, high, xoff, xmask
+
+
+@triton.jit
+def dot_blocks32(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr,
+                 INTERP: tl.constexpr):
+    low, high, xoff, xmask = halves32(QT, row, kb, nblk, rmask, NB)
+    return _halves_dot(low, high, x_row, xoff, xmask, WR, INTERP)
 
 
 # ---- 256-element K-quants: one super-block per step -----------------------------------------------
+# Each `_part_<type>` returns the rounded weights of one of the super-block's 2 (or 4) parts
+# and their element offsets within it; the parts together cover its 256 elements.
 
 @triton.jit
 def _super(row, kb, rmask, TYPE_SIZE: tl.constexpr):
@@ -207,123 +237,168 @@ def _super(row, kb, rmask, TYPE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def dot_q4_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _q45_k_layout(base, rmask):
+    """Q4_K/Q5_K: (base [BN, 1, 1], mask [BN, 1, 1], pair [1, 4, 1], i [1, 1, 32])."""
+    return (base[:, :, None], rmask[:, :, None], tl.arange(0, 4)[None, :, None],
+            tl.arange(0, 32)[None, None, :])
+
+
+@triton.jit
+def _part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
     """Q4_K, 144 B: d @0, dmin @2, scales @4, nibbles @16; (d*sc) * q - (dmin*m).
     Byte 32 pair + i (i < 32) holds element 64 pair + i (low nibble) and 64 pair + 32 + i (high)."""
+    scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
+    q = ((packed >> (4 * nibble)) & 0x0F).to(tl.float32)
+    return round_weights(scale * q - offset, WR, INTERP), 64 * pair + 32 * nibble + i  # [BN, 4, 32]
+
+
+@triton.jit
+def dot_q4_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
     base, x0 = _super(row, kb, rmask, 144)
-    base = base[:, :, None]  # [BN, 1, 1]
-    mask = rmask[:, :, None]
-    pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
-    i = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    base, mask, pair, i = _q45_k_layout(base, rmask)
     packed = load_bytes(base + 16 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
     acc = None
     for nibble in tl.static_range(2):
-        scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
-        q = ((packed >> (4 * nibble)) & 0x0F).to(tl.float32)
-        w = round_weights(scale * q - offset, WR, INTERP)
-        term = w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i)  # [BN, 4, 32]
+        w, k = _part_q4_k(base, mask, pair, i, packed, nibble, WR, INTERP)
+        term = w * _x_all(x_row, x0 + k)  # [BN, 4, 32]
         acc = term if nibble == 0 else acc + term
     return acc
+
+
+@triton.jit
+def _part_q5_k(base, mask, pair, i, packed, high_bits, nibble: tl.constexpr, WR: tl.constexpr,
+               INTERP: tl.constexpr):
+    """Q5_K, 176 B: Q4_K's header, qh[32] @16 (bit s of byte i: sub-block s), nibbles @48."""
+    sub = 2 * pair + nibble  # [1, 4, 1]
+    scale, offset = _k_scales(base, sub, mask)
+    q = ((packed >> (4 * nibble)) & 0x0F) | (((high_bits >> sub) & 0x01) << 4)
+    return round_weights(scale * q.to(tl.float32) - offset, WR, INTERP), 64 * pair + 32 * nibble + i
 
 
 @triton.jit
 def dot_q5_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q5_K, 176 B: Q4_K's header, qh[32] @16 (bit s of byte i: sub-block s), nibbles @48."""
     base, x0 = _super(row, kb, rmask, 176)
-    base = base[:, :, None]
-    mask = rmask[:, :, None]
-    pair = tl.arange(0, 4)[None, :, None]
-    i = tl.arange(0, 32)[None, None, :]
+    base, mask, pair, i = _q45_k_layout(base, rmask)
     packed = load_bytes(base + 48 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
     high_bits = load_bytes(base + 16 + i, mask)  # i32 [BN, 1, 32]
     acc = None
     for nibble in tl.static_range(2):
-        sub = 2 * pair + nibble  # [1, 4, 1]
-        scale, offset = _k_scales(base, sub, mask)
-        q = ((packed >> (4 * nibble)) & 0x0F) | (((high_bits >> sub) & 0x01) << 4)
-        w = round_weights(scale * q.to(tl.float32) - offset, WR, INTERP)
-        term = w * _x_all(x_row, x0 + 64 * pair + 32 * nibble + i)  # [BN, 4, 32]
+        w, k = _part_q5_k(base, mask, pair, i, packed, high_bits, nibble, WR, INTERP)
+        term = w * _x_all(x_row, x0 + k)  # [BN, 4, 32]
         acc = term if nibble == 0 else acc + term
     return acc
 
 
 @triton.jit
-def dot_q6_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _q6_k_layout(base, rmask):
+    """Q6_K as [h, j, t] = [2, 4, 16]: (base [BN,1,1,1], mask, h, j, t)."""
+    return (base[:, :, None, None], rmask[:, :, None, None], tl.arange(0, 2)[None, :, None, None],
+            tl.arange(0, 4)[None, None, :, None], tl.arange(0, 16)[None, None, None, :])
+
+
+@triton.jit
+def _part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, n: tl.constexpr, WR: tl.constexpr,
+               INTERP: tl.constexpr):
     """Q6_K, 210 B: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208; (d*sc) * (q - 32).
     As [h, j, t] = [2, 4, 16]: element 128h + 64n + 16j + t (nibble n of ql byte 64h + 16j + t)."""
-    base, x0 = _super(row, kb, rmask, 210)
-    base = base[:, :, None, None]  # [BN, 1, 1, 1]
-    mask = rmask[:, :, None, None]
+    sub = 8 * h + 4 * n + j  # [1, 2, 4, 1]
+    sub_scale = tl.load(base + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True)
+    scale = d * sub_scale.to(tl.float32)  # f32 [BN, 2, 4, 1]
+    q = ((low_bits >> (4 * n)) & 0x0F) | (((high_bits >> (2 * (2 * n + j // 2))) & 0x03) << 4)
+    return round_weights(scale * (q - 32).to(tl.float32), WR, INTERP), 128 * h + 64 * n + 16 * j + t
+
+
+@triton.jit
+def _q6_k_bytes(base, mask, h, j, t):
+    """(d, low bits, high bits) of Q6_K super-blocks."""
     d = load_fp16_as_f32(base + 208, mask)
-    h = tl.arange(0, 2)[None, :, None, None]
-    j = tl.arange(0, 4)[None, None, :, None]
-    t = tl.arange(0, 16)[None, None, None, :]
     low_bits = load_bytes(base + 64 * h + 16 * j + t, mask)  # i32 [BN, 2, 4, 16]
     high_bits = load_bytes(base + 128 + 32 * h + 16 * (j % 2) + t, mask)
+    return d, low_bits, high_bits
+
+
+@triton.jit
+def dot_q6_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    base, x0 = _super(row, kb, rmask, 210)
+    base, mask, h, j, t = _q6_k_layout(base, rmask)
+    d, low_bits, high_bits = _q6_k_bytes(base, mask, h, j, t)
     acc = None
     for n in tl.static_range(2):
-        sub = 8 * h + 4 * n + j  # [1, 2, 4, 1]
-        sub_scale = tl.load(base + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True)
-        scale = d * sub_scale.to(tl.float32)  # f32 [BN, 2, 4, 1]
-        q = ((low_bits >> (4 * n)) & 0x0F) | (((high_bits >> (2 * (2 * n + j // 2))) & 0x03) << 4)
-        w = round_weights(scale * (q - 32).to(tl.float32), WR, INTERP)
-        term = w * _x_all(x_row, x0 + 128 * h + 64 * n + 16 * j + t)  # [BN, 2, 4, 16]
+        w, k = _part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, n, WR, INTERP)
+        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 4, 16]
         acc = term if n == 0 else acc + term
     return acc
 
 
 @triton.jit
-def _crumbs(base, mask):
-    """Q2_K/Q3_K's 2-bit codes as [BN, h, half, t] = [BN, 2, 2, 16] (see triton_kquants)."""
-    h = tl.arange(0, 2)[None, :, None, None]
-    half = tl.arange(0, 2)[None, None, :, None]
-    t = tl.arange(0, 16)[None, None, None, :]
-    return h, half, t
+def _crumbs(base, rmask):
+    """Q2_K/Q3_K's 2-bit codes as [BN, h, half, t] = [BN, 2, 2, 16] (see triton_kquants):
+    (base [BN,1,1,1], mask, h, half, t)."""
+    return (base[:, :, None, None], rmask[:, :, None, None], tl.arange(0, 2)[None, :, None, None],
+            tl.arange(0, 2)[None, None, :, None], tl.arange(0, 16)[None, None, None, :])
+
+
+@triton.jit
+def _part_q2_k(base, mask, h, half, t, d, dmin, packed, sh: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """Q2_K, 84 B: scales[16] @0 (lo nibble sc, hi nibble m), 2-bit qs @16, d @80, dmin @82;
+    element 128h + 32sh + 16half + t sits at bits 2sh of byte 32h + 16half + t."""
+    scales = load_bytes(base + 8 * h + 2 * sh + half, mask)  # i32 [BN, 2, 2, 1]
+    scale = d * (scales & 0x0F).to(tl.float32)
+    offset = dmin * (scales >> 4).to(tl.float32)
+    q = ((packed >> (2 * sh)) & 0x03).to(tl.float32)
+    return round_weights(scale * q - offset, WR, INTERP), 128 * h + 32 * sh + 16 * half + t
+
+
+@triton.jit
+def _q2_k_bytes(base, mask, h, half, t):
+    """(d, dmin, packed codes [BN, 2, 2, 16]) of Q2_K super-blocks."""
+    d = load_fp16_as_f32(base + 80, mask)
+    dmin = load_fp16_as_f32(base + 82, mask)
+    return d, dmin, load_bytes(base + 16 + 32 * h + 16 * half + t, mask)
 
 
 @triton.jit
 def dot_q2_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q2_K, 84 B: scales[16] @0 (lo nibble sc, hi nibble m), 2-bit qs @16, d @80, dmin @82;
-    element 128h + 32sh + 16half + t sits at bits 2sh of byte 32h + 16half + t."""
     base, x0 = _super(row, kb, rmask, 84)
-    base = base[:, :, None, None]
-    mask = rmask[:, :, None, None]
-    d = load_fp16_as_f32(base + 80, mask)
-    dmin = load_fp16_as_f32(base + 82, mask)
-    h, half, t = _crumbs(base, mask)
-    packed = load_bytes(base + 16 + 32 * h + 16 * half + t, mask)  # i32 [BN, 2, 2, 16]
+    base, mask, h, half, t = _crumbs(base, rmask)
+    d, dmin, packed = _q2_k_bytes(base, mask, h, half, t)
     acc = None
     for sh in tl.static_range(4):
-        scales = load_bytes(base + 8 * h + 2 * sh + half, mask)  # i32 [BN, 2, 2, 1]
-        scale = d * (scales & 0x0F).to(tl.float32)
-        offset = dmin * (scales >> 4).to(tl.float32)
-        q = ((packed >> (2 * sh)) & 0x03).to(tl.float32)
-        w = round_weights(scale * q - offset, WR, INTERP)
-        term = w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t)  # [BN, 2, 2, 16]
+        w, k = _part_q2_k(base, mask, h, half, t, d, dmin, packed, sh, WR, INTERP)
+        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 2, 16]
         acc = term if sh == 0 else acc + term
     return acc
 
 
 @triton.jit
-def dot_q3_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def _part_q3_k(base, mask, h, half, t, d, packed, hmask, sh: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
     """Q3_K, 110 B: hmask[32] @0, 2-bit qs @32, scales[12] @96, d @108; (d*sc) * q."""
-    base, x0 = _super(row, kb, rmask, 110)
-    base = base[:, :, None, None]
-    mask = rmask[:, :, None, None]
+    sub = 8 * h + 2 * sh + half  # [1, 2, 2, 1]
+    low = load_bytes(base + 96 + sub % 8, mask)
+    high = load_bytes(base + 104 + sub % 4, mask)
+    six_bit = ((low >> (4 * (sub // 8))) & 0x0F) | (((high >> (2 * (sub // 4))) & 0x03) << 4)
+    scale = d * (six_bit - 32).to(tl.float32)
+    no_offset = (hmask >> (4 * h + sh)) & 0x01
+    q = ((packed >> (2 * sh)) & 0x03) - ((no_offset ^ 1) << 2)
+    return round_weights(scale * q.to(tl.float32), WR, INTERP), 128 * h + 32 * sh + 16 * half + t
+
+
+@triton.jit
+def _q3_k_bytes(base, mask, h, half, t):
+    """(d, packed codes [BN, 2, 2, 16], high-bit mask bytes [BN, 1, 2, 16]) of Q3_K super-blocks."""
     d = load_fp16_as_f32(base + 108, mask)
-    h, half, t = _crumbs(base, mask)
-    packed = load_bytes(base + 32 + 32 * h + 16 * half + t, mask)  # i32 [BN, 2, 2, 16]
-    hmask = load_bytes(base + 16 * half + t, mask)  # i32 [BN, 1, 2, 16]
+    packed = load_bytes(base + 32 + 32 * h + 16 * half + t, mask)
+    return d, packed, load_bytes(base + 16 * half + t, mask)
+
+
+@triton.jit
+def dot_q3_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    base, x0 = _super(row, kb, rmask, 110)
+    base, mask, h, half, t = _crumbs(base, rmask)
+    d, packed, hmask = _q3_k_bytes(base, mask, h, half, t)
     acc = None
     for sh in tl.static_range(4):
-        sub = 8 * h + 2 * sh + half  # [1, 2, 2, 1]
-        low = load_bytes(base + 96 + sub % 8, mask)
-        high = load_bytes(base + 104 + sub % 4, mask)
-        six_bit = ((low >> (4 * (sub // 8))) & 0x0F) | (((high >> (2 * (sub // 4))) & 0x03) << 4)
-        scale = d * (six_bit - 32).to(tl.float32)
-        no_offset = (hmask >> (4 * h + sh)) & 0x01
-        q = ((packed >> (2 * sh)) & 0x03) - ((no_offset ^ 1) << 2)
-        w = round_weights(scale * q.to(tl.float32), WR, INTERP)
-        term = w * _x_all(x_row, x0 + 128 * h + 32 * sh + 16 * half + t)  # [BN, 2, 2, 16]
+        w, k = _part_q3_k(base, mask, h, half, t, d, packed, hmask, sh, WR, INTERP)
+        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 2, 16]
         acc = term if sh == 0 else acc + term
     return acc

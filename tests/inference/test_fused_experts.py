@@ -16,10 +16,10 @@ from inference.dequant import dequantize_many
 from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
-from inference.kernels.ops import GEMV_TYPES, gemv_weight, moe_combine, moe_gemv
+from inference.kernels.ops import GEMV_TYPES, gemm_blocks, gemv_weight, moe_combine, moe_gemm, moe_gemv
 from inference.model import load_model
 from packtools.pack import ElementType, Role, RoleEntry
-from packtools.pack.constants import tensor_nbytes
+from packtools.pack.constants import block_shape, tensor_nbytes
 from packtools.quants import random_blocks
 
 pytest.importorskip("triton")
@@ -200,3 +200,41 @@ def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):
     assert resolve_compute("exact", torch.device("cpu"), torch.bfloat16) is False
     with pytest.raises(ExpertsError, match="'quick' is not one of"):
         resolve_compute("quick", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("element_type", sorted(GEMV_TYPES), ids=lambda t: ElementType(t).name)
+def test_gemm_equals_float64_products_of_rounded_weights(element_type):
+    """The grouped GEMM (prefill): each expert-sorted pair's row is the exact product of the
+    bf16-rounded dequantized weights (gate rows, then up rows) with its token, rounded once; an
+    expert with more pairs than a block spans several blocks; the down form reads x in sorted order."""
+    element_type = ElementType(element_type)
+    rng = np.random.default_rng(100 + int(element_type))
+    # 288 columns: a step's tail of 32-element blocks (and of floats) is masked; K-quants need 256s
+    cols = 512 if block_shape(element_type)[0] == 256 else 288
+    rows, slots, top_k = 24, 3, 2
+    arena, slot_bytes, nbytes, second = _arena(element_type, (rows, cols), slots, rng)
+    weight = gemv_weight([RoleEntry(Role.GATE, int(element_type), 0, nbytes, (rows, cols)),
+                          RoleEntry(Role.UP, int(element_type), second, nbytes, (rows, cols))], rows=2 * rows, cols=cols)
+    tokens = 11
+    x = torch.randn(tokens, cols).bfloat16()
+    top_k_index = torch.tensor([[e % 3, (e + 1) % 3] for e in range(tokens)])  # expert e at slot (2 - e)
+    slot_of = [2, 1, 0]
+    experts = top_k_index.reshape(-1)
+    sorted_experts, order = torch.sort(experts, stable=True)
+    ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    blocks = gemm_blocks([slot_of[e] for e in ids.tolist()], counts.tolist(), block_m=4)
+    assert blocks.table.shape[0] > len(ids)  # an expert's pairs span several blocks
+    objects = arena.view(slots, slot_bytes)[torch.tensor([slot_of[e] for e in sorted_experts.tolist()])]
+    values = [dequantize_many(objects[:, o:o + nbytes].contiguous(), element_type, (rows, cols), torch.float32)
+              for o in (0, second)]
+    w = torch.cat(values, dim=1).bfloat16().double()  # [S, 2 rows, cols], sorted order
+    ulp = lambda e: (e.float().abs() * 2**-7).clamp(min=1e-30)  # noqa: E731  one bf16 ulp
+    for gather_tokens, xs in ((True, x.double()[order // top_k]), (False, None)):
+        x_in = x if gather_tokens else torch.randn(len(order), cols).bfloat16()
+        xs = xs if gather_tokens else x_in.double()
+        got = moe_gemm(x_in.to(DEVICE), order.to(DEVICE), blocks.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
+                       pairs=len(order), top_k=top_k, gather_tokens=gather_tokens, tuning=(16, 4)).cpu()
+        expected = torch.einsum("pnk,pk->pn", w, xs).bfloat16()
+        assert got.dtype == torch.bfloat16 and got.shape == (len(order), 2 * rows)
+        assert torch.all((got.float() - expected.float()).abs() <= ulp(expected)), (element_type.name, gather_tokens)
+        assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens)
