@@ -110,10 +110,23 @@ def moe_combine_kernel(y_ptr, y_stride, w_ptr, expert_ptr, out_ptr, out_stride, 
 
 
 @triton.jit
+def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BM, BN] += x[rows, k] (loaded at w's columns k) times w [BN, BK] transposed."""
+    a = tl.load(x_base + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+    if INTERP:  # the interpreter has no bfloat16 dot: float32 of the same (exact) values
+        return acc + tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    elif WR == 0:
+        return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
+    else:
+        return acc + tl.dot(a, tl.trans(w.to(a.dtype)))
+
+
+@triton.jit
 def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_bytes, off1, off2, n_split, row_bytes,
                     nblk, out_ptr, out_stride, N,
                     QT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+                    TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr,
+                    SPLIT: tl.constexpr, PARTS: tl.constexpr):
     """out[s, n] = sum_k W[n, k] x[row(s), k] for up to BLOCK_M expert-sorted pairs s of one expert.
 
     Block b of blocks_ptr (int32 [B, 3]: slot, first sorted position, pairs) names the expert's
@@ -121,7 +134,8 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     index p = token * TOP_K + j. With GATHER_TOKENS x row(s) is p's token (the up projection
     reading hidden states), else s itself (down, reading the activation in sorted order). The
     weight tile of each step is dequantized once for all of the block's pairs (tensor-core dot);
-    rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
+    rows of W lie as in moe_gemv_kernel (off1/off2/n_split). SPLIT: each step dequantized in
+    PARTS parts (quant_tile.PARTS[QT]) rather than whole.
     """
     b = tl.program_id(0)
     slot = tl.load(blocks_ptr + 3 * b).to(tl.int64)
@@ -143,14 +157,15 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     x_base = x_ptr + x_rows[:, None] * x_stride  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, nblk, NB):
-        w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, INTERP)  # [BN, BK], [BK]
-        a = tl.load(x_base + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
-        if INTERP:  # the interpreter has no bfloat16 dot: float32 of the same (exact) values
-            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
-        elif WR == 0:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        # weights rounded on their bits: a rounding cast that only feeds another cast lets the
+        # compiler compute the dequantization in bfloat16 (seen for Q4_1's d * q + m on an H200)
+        if SPLIT:  # the step in parts: smaller tiles, fewer live registers
+            for part in tl.static_range(PARTS):
+                w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, True, part)
+                acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
         else:
-            acc += tl.dot(a, tl.trans(w.to(x_ptr.dtype.element_ty)))
+            w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, True)  # [BN, BK], [BK]
+            acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
     out = qd.round_weights(acc, WR, INTERP)
     tl.store(out_ptr + s[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])

@@ -52,6 +52,7 @@ COMBINE_BLOCK_H = 256
 # blocks per step: 256 columns for the block types, 64 for plain floats.
 GEMM_BLOCK_M = 16
 GEMM_TUNING: tuple[int, int] = (64, 4)
+GEMM_SPLIT = True  # dequantize a step in parts (quant_tile.weight_part) rather than whole
 
 _triton: ModuleType | None = None
 _triton_error: BaseException | None = None
@@ -199,7 +200,7 @@ def gemm_blocks(rows: Sequence[int], counts: Sequence[int], block_m: int | None 
 
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, pairs: int, top_k: int, gather_tokens: bool,
-             tuning: tuple[int, int] | None = None) -> torch.Tensor:
+             tuning: tuple[int, int] | None = None, split: bool | None = None) -> torch.Tensor:
     """[pairs, rows] in expert-sorted order: row s is W(s's expert) · x[order[s] // top_k] when
     gather_tokens (x: hidden states [T, cols]), else W · x[s] (x: [pairs, cols], sorted order).
 
@@ -218,7 +219,8 @@ def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: to
         x, x.stride(0), order, blocks.table, arena, slot_bytes, weight.first_offset, weight.second_offset, weight.split,
         weight.row_bytes, weight.blocks_per_row, out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
-        TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(), num_warps=warps,
+        TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(),
+        SPLIT=GEMM_SPLIT if split is None else split, PARTS=module.qt.PARTS[weight.code], num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

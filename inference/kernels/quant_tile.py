@@ -16,6 +16,9 @@ import triton.language as tl
 
 from inference.kernels import quant_dot as qd
 
+# kernel type code -> the parts `weight_part` splits a step into (floats 1, Q2_K/Q3_K 4, else 2)
+PARTS = {code: 1 if code <= 2 else 4 if code in (9, 10) else 2 for code in range(14)}
+
 
 @triton.jit
 def _flat(w, k, BN: tl.constexpr, BK: tl.constexpr):
@@ -31,9 +34,11 @@ def _join2(a, ka, b, kb_, BN: tl.constexpr):
 
 @triton.jit
 def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl.constexpr, WR: tl.constexpr,
-                INTERP: tl.constexpr):
+                BITWISE: tl.constexpr):
     """(weights [BN, BK] float32 holding model-dtype values, their columns [BK] int32, columns
-    that exist [BK]). row: [BN, 1] uint8 pointers to each weight row; kb: the step's first block."""
+    that exist [BK]). row: [BN, 1] uint8 pointers to each weight row; kb: the step's first block;
+    BITWISE: round to the model dtype on the bits (quant_dot.round_weights)."""
+    INTERP = BITWISE
     if QT <= 2:
         w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
         return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
@@ -88,4 +93,59 @@ def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         w = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [BN, 2, 2, 16, 2, 2]
         k = tl.join(tl.join(k0, k1), tl.join(k2, k3))
         w, k = _flat(w, k, BN, 256)
+        return w, x0 + k, k >= 0
+
+
+@triton.jit
+def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl.constexpr, WR: tl.constexpr,
+                BITWISE: tl.constexpr, PART: tl.constexpr):
+    """Part PART of weight_tile's step (PARTS[QT] of them, together its columns): a smaller
+    tile ([BN, BK / parts]) for fewer live registers, with its columns and their validity."""
+    INTERP = BITWISE
+    if QT <= 2:
+        w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
+        return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
+    elif QT <= 8:
+        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB)  # [BN, NB, 16] x2
+        valid = tl.reshape(tl.broadcast_to(xmask, xoff.shape), (NB * 16,))
+        if PART == 0:
+            w, k = _flat(qd.round_weights(low, WR, INTERP), xoff, BN, NB * 16)
+        else:
+            w, k = _flat(qd.round_weights(high, WR, INTERP), xoff + 16, BN, NB * 16)
+        return w, k, valid
+    elif QT == 11:
+        base, x0 = qd._super(row, kb, rmask, 144)
+        base, mask, pair, i = qd._q45_k_layout(base, rmask)
+        packed = qd.load_bytes(base + 16 + 32 * pair + i, mask)
+        w, k = qd._part_q4_k(base, mask, pair, i, packed, PART, WR, INTERP)  # [BN, 4, 32]
+        w, k = _flat(w, k, BN, 128)
+        return w, x0 + k, k >= 0
+    elif QT == 12:
+        base, x0 = qd._super(row, kb, rmask, 176)
+        base, mask, pair, i = qd._q45_k_layout(base, rmask)
+        packed = qd.load_bytes(base + 48 + 32 * pair + i, mask)
+        high_bits = qd.load_bytes(base + 16 + i, mask)
+        w, k = qd._part_q5_k(base, mask, pair, i, packed, high_bits, PART, WR, INTERP)
+        w, k = _flat(w, k, BN, 128)
+        return w, x0 + k, k >= 0
+    elif QT == 13:
+        base, x0 = qd._super(row, kb, rmask, 210)
+        base, mask, h, j, t = qd._q6_k_layout(base, rmask)
+        d, low_bits, high_bits = qd._q6_k_bytes(base, mask, h, j, t)
+        w, k = qd._part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, PART, WR, INTERP)  # [BN, 2, 4, 16]
+        w, k = _flat(w, k, BN, 128)
+        return w, x0 + k, k >= 0
+    elif QT == 9:
+        base, x0 = qd._super(row, kb, rmask, 84)
+        base, mask, h, half, t = qd._crumbs(base, rmask)
+        d, dmin, packed = qd._q2_k_bytes(base, mask, h, half, t)
+        w, k = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, PART, WR, INTERP)  # [BN, 2, 2, 16]
+        w, k = _flat(w, k, BN, 64)
+        return w, x0 + k, k >= 0
+    else:
+        base, x0 = qd._super(row, kb, rmask, 110)
+        base, mask, h, half, t = qd._crumbs(base, rmask)
+        d, packed, hmask = qd._q3_k_bytes(base, mask, h, half, t)
+        w, k = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, PART, WR, INTERP)
+        w, k = _flat(w, k, BN, 64)
         return w, x0 + k, k >= 0

@@ -229,12 +229,16 @@ def test_gemm_equals_float64_products_of_rounded_weights(element_type):
               for o in (0, second)]
     w = torch.cat(values, dim=1).bfloat16().double()  # [S, 2 rows, cols], sorted order
     ulp = lambda e: (e.float().abs() * 2**-7).clamp(min=1e-30)  # noqa: E731  one bf16 ulp
-    for gather_tokens, xs in ((True, x.double()[order // top_k]), (False, None)):
+    for gather_tokens, split in ((True, True), (False, True), (True, False)):  # up, down; whole-step tiles
         x_in = x if gather_tokens else torch.randn(len(order), cols).bfloat16()
-        xs = xs if gather_tokens else x_in.double()
+        xs = x.double()[order // top_k] if gather_tokens else x_in.double()
         got = moe_gemm(x_in.to(DEVICE), order.to(DEVICE), blocks.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
-                       pairs=len(order), top_k=top_k, gather_tokens=gather_tokens, tuning=(16, 4)).cpu()
+                       pairs=len(order), top_k=top_k, gather_tokens=gather_tokens, tuning=(16, 4),
+                       split=split).cpu()
         expected = torch.einsum("pnk,pk->pn", w, xs).bfloat16()
+        # one bf16 ulp, plus what float32 accumulation in a tensor core's order may lose where the
+        # terms cancel: a few float32 ulps of the sum of the terms' magnitudes
+        spread = torch.einsum("pnk,pk->pn", w.abs(), xs.abs()).float() * 2**-16
         assert got.dtype == torch.bfloat16 and got.shape == (len(order), 2 * rows)
-        assert torch.all((got.float() - expected.float()).abs() <= ulp(expected)), (element_type.name, gather_tokens)
-        assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens)
+        assert torch.all((got.float() - expected.float()).abs() <= ulp(expected) + spread), (element_type.name, split)
+        assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens, split)
