@@ -34,6 +34,7 @@ from storaged.config import StoragedConfig
 from storaged.server.models import ServedModel
 from servicekit.notify import Notifier, NotifyEnvironmentError
 from storaged.server.dataplane import DataPlaneServer
+from storaged.server.malformed import MalformedRequestInterceptor
 from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
 from storaged.server.runtime import Runtime, StartupError, build_runtime
 from storaged.server.servicer import ExpertStorageServicer
@@ -128,7 +129,7 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
                                  runtime.fences, AccessPolicy.from_config(config))
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()])
     pb_grpc.add_ExpertStorageServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
