@@ -134,7 +134,7 @@ async def front(request: web.Request, handler):
         raise
     except Exception as exc:
         status, _ = status_and_body(exc)
-        if status >= 500 and status != 503:
+        if status == 500:  # a bug; 502 and 503 are the expert storage's, logged by the engine already
             log.exception("%s %s failed", request.method, request.path)
         response = error_response(exc)
     _log_access(state, request, response.status, started)
