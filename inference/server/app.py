@@ -14,6 +14,7 @@ from inference.server.middleware import add_cors_headers, front
 from inference.server.responses import model_card, models_list
 from inference.server.state import STATE, ServerState
 from inference.server.tokenize import detokenize, tokenize
+from servicekit.echo import shown
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts; aiohttp's default is 1 MiB
 
@@ -31,7 +32,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
     if name != state.model_name:
-        raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        raise InvalidRequestError(f"the model {shown(name)} does not exist", param="model", code="model_not_found")
     return web.json_response(model_card(state.model_name, state.created, _max_model_len(state)))
 
 
