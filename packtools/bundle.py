@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -33,7 +34,15 @@ class BundleError(Exception):
 
 
 class BundleExistsError(BundleError):
-    """The output exists and --force was not given."""
+    """The output exists and --force was not given (or another build made it meanwhile)."""
+
+
+class BundleWriteError(OSError):
+    """The filesystem refused the bundle's bytes (full, over quota, file too large); names the output."""
+
+
+# errors of writing, not of reading the source: they are about the output's filesystem
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 @dataclasses.dataclass
@@ -112,9 +121,14 @@ def _check_consistency(root: Path, manifest: dict, config: dict, pack: PackReade
         "experts per layer": (experts.get("num_experts"), pack.header.expert_count),
     }
     for what, (in_manifest, in_pack) in expected.items():
-        if in_manifest != in_pack:
-            raise BundleError(f"{where}: {what} is {in_manifest!r} but {root / PACK} has {in_pack!r} "
-                              "(the manifest belongs to another pack)")
+        if in_manifest == in_pack:
+            continue
+        if in_manifest not in (None, []) and _json_type(in_manifest) != _json_type(in_pack):
+            # "is '32' but ... has 32" reads as a contradiction: name the types
+            raise BundleError(f"{where}: {what} must be a JSON {_json_type(in_pack)} ({root / PACK} has "
+                              f"{in_pack!r}), not the {_json_type(in_manifest)} {in_manifest!r}")
+        raise BundleError(f"{where}: {what} is {in_manifest!r} but {root / PACK} has {in_pack!r} "
+                          "(the manifest belongs to another pack)")
     dense_size = manifest.get("dense", {}).get("size")
     if dense_size != (root / DENSE).stat().st_size:
         raise BundleError(f"{root / DENSE}: {(root / DENSE).stat().st_size} bytes, manifest says {dense_size}")
@@ -124,6 +138,15 @@ def _check_consistency(root: Path, manifest: dict, config: dict, pack: PackReade
     if config.get("model_type") != manifest.get("model_type"):
         raise BundleError(f"{root / CONFIG}: model_type {config.get('model_type')!r}, manifest says "
                           f"{manifest.get('model_type')!r}")
+
+
+def _json_type(value: object) -> str:
+    """'integer', 'string', 'array of integers'...: what a manifest value is, in JSON's words."""
+    if isinstance(value, list):
+        items = {_json_type(v) for v in value}
+        return f"array of {items.pop()}s" if len(items) == 1 else "array"
+    kinds = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (dict, "object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 @contextlib.contextmanager
@@ -142,20 +165,55 @@ def staged_bundle(output: str | os.PathLike, *, force: bool) -> Iterator[Path]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        yield staging
-        _fsync_dir(staging)
-        if target.exists():
-            # Replace in two renames so a crash leaves either the old or the new bundle.
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.rename(target, old)
-            os.rename(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, target)
-        _fsync_dir(target.parent)
+        try:
+            yield staging
+            _fsync_dir(staging)
+        except OSError as exc:
+            if exc.errno in _WRITE_ERRNOS:  # raised by a write() that names no file: name the output
+                raise BundleWriteError(exc.errno, f"{target}: cannot write the bundle into {target.parent}: "
+                                       f"{exc.strerror}; nothing was left behind") from exc
+            raise
+        _publish(staging, target, force=force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _made_meanwhile(target: Path) -> BundleExistsError:
+    return BundleExistsError(f"{target}: another build created it while this one ran; this build's output was "
+                             "discarded (run it again with --force to replace that one)")
+
+
+def _publish(staging: Path, target: Path, *, force: bool) -> None:
+    """Rename the finished staging directory to `target`; a concurrent build into the same output
+    that finished first keeps it, unless this build was asked to replace it (--force)."""
+    if target.exists():
+        if not force:
+            raise _made_meanwhile(target)
+        if not _replaceable(target):
+            raise BundleExistsError(f"{target}: exists and is not a bundle (no {MANIFEST}) nor an empty directory; "
+                                    "--force only replaces a bundle, remove it yourself if it is meant to go")
+        # Replace in two renames so a crash leaves either the old or the new bundle.
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # replaced, by the other build
+            raise _made_meanwhile(target) from None
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            # rename(2) onto a directory another build has just filled: "Directory not empty"
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _made_meanwhile(target) from None
+            raise
+    _fsync_dir(target.parent)
 
 
 def _replaceable(target: Path) -> bool:

@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import threading
+import traceback
 
 from packtools import __version__
 
@@ -57,7 +58,7 @@ def _cmd_synth(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packtools", description=__doc__)
     parser.add_argument("--version", action="version", version=f"packtools {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--debug", action="store_true", help="also print the traceback of an error (exit status unchanged)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("build", help="convert a GGUF file or HF model directory into a bundle")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a one-line message and exit 2
         if args.debug:
-            raise
+            traceback.print_exc()  # more to read, the same outcome: --debug never changes the exit status
         print(f"packtools {args.command}: error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -14,8 +14,11 @@ what the GPU machine ships, and it emits protobuf 7.35.1 gencode.
 
 Wire compatibility: proto/**/<name>.lock.json records every field's and enum value's number and
 type. Each run checks the protos against it: a field or value may be added, never renumbered or
-retyped, and one may be removed only if its number is `reserved`. The lock only grows (new
-entries are added on a normal run); --check also fails when the lock is missing new entries.
+retyped, and one may be removed only if its number is `reserved`. The one retyping allowed is a
+widening with the same varint encoding (uint32 -> uint64, int32 -> int64, sint32 -> sint64): every
+old value is read unchanged, and the lock then records the wider type, so it cannot narrow again.
+The lock only grows otherwise (new entries are added on a normal run); --check also fails when the
+lock is missing new or widened entries.
 """
 
 from __future__ import annotations
@@ -123,6 +126,16 @@ def _reserved_numbers(proto) -> dict[str, set[int]]:
     return reserved
 
 
+# varint types whose wider twin reads every value of theirs unchanged (protobuf's language guide)
+WIDENINGS = {("TYPE_UINT32", "TYPE_UINT64"), ("TYPE_INT32", "TYPE_INT64"), ("TYPE_SINT32", "TYPE_SINT64")}
+
+
+def is_widening(was: str, now: str) -> bool:
+    """Whether lock entry `was` may become `now`: same number and label, a type in WIDENINGS."""
+    (number_was, type_was, *label_was), (number_now, type_now, *label_now) = was.split(), now.split()
+    return number_was == number_now and label_was == label_now and (type_was, type_now) in WIDENINGS
+
+
 def compatibility_problems(proto, locked: dict[str, str]) -> list[str]:
     current, reserved = wire_entries(proto), _reserved_numbers(proto)
     problems = []
@@ -132,9 +145,9 @@ def compatibility_problems(proto, locked: dict[str, str]) -> list[str]:
             owner, number = name.rsplit(".", 1)[0], int(was.split()[0])
             if number not in reserved.get(owner, set()):
                 problems.append(f"{name} (number {number}) was removed without `reserved {number};`")
-        elif now != was:
+        elif now != was and not is_widening(was, now):
             problems.append(f"{name} changed from '{was}' to '{now}' (number type label): never renumber "
-                            "or retype; add a new field instead")
+                            "or retype (only uint32/int32/sint32 may widen to 64 bits); add a new field instead")
     return problems
 
 
@@ -150,12 +163,14 @@ def check_locks(*, update: bool) -> list[str]:
         locked = json.loads(path.read_text()) if path.exists() else {}
         found = [f"{proto.name}: {p}" for p in compatibility_problems(proto, locked)]
         problems += found
-        merged = {**wire_entries(proto), **locked}  # only additions: a locked entry never changes
+        # additions, and widenings (compatible, or they would be in `found`); removed fields stay
+        merged = {**locked, **wire_entries(proto)}
         if merged != locked and not found:
             if update:
                 path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
             else:
-                problems.append(f"{path.relative_to(REPO)} lacks {len(merged) - len(locked)} new "
+                changed = sum(1 for name, entry in merged.items() if locked.get(name) != entry)
+                problems.append(f"{path.relative_to(REPO)} lacks {changed} new or widened "
                                 "entries; run scripts/gen_proto.sh")
     return problems
 

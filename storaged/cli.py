@@ -58,7 +58,13 @@ def config_from_args(args: argparse.Namespace) -> StoragedConfig:
         "device": args.device, "shutdown_grace_seconds": args.shutdown_grace_seconds,
         "max_ids_per_acquire": args.max_ids_per_acquire, "fence_timeout_seconds": args.fence_timeout_seconds,
     }
-    return load_config(args.config, overrides, extra_models=dict(args.model or ()))
+    models: dict[str, str] = {}
+    for name, path in args.model or ():
+        if name in models:
+            raise ConfigError("--model", f"{name}={path}", f"model {name!r} is given twice (also as "
+                              f"{name}={models[name]}); each --model NAME must be unique")
+        models[name] = path
+    return load_config(args.config, overrides, extra_models=models)
 
 
 def main(argv: list[str] | None = None) -> int:

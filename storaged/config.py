@@ -39,6 +39,13 @@ class ConfigError(ValueError):
         self.value = value
 
 
+def _kind(value: Any) -> str:
+    """What a TOML value is, in TOML's words, for a message about a value of the wrong type."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+             (list, "an array"), (Mapping, "a table"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
 def parse_size(value: int | str, field: str = "size") -> int:
     """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5G" (decimal) or "4096"."""
     if isinstance(value, bool):
@@ -92,7 +99,10 @@ class StoragedConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here only
-        if not isinstance(self.models, Mapping) or not self.models:
+        if not isinstance(self.models, Mapping):
+            raise ConfigError("models", self.models, f"expected a table of name = bundle directory (TOML "
+                              f"[models] section), got {_kind(self.models)}")
+        if not self.models:
             raise ConfigError("models", self.models, "at least one model (name = bundle directory) is needed")
         models = {}
         for name, path in self.models.items():
@@ -220,6 +230,9 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None, *
         if value is not None:
             values[key] = value
     if extra_models:
-        file_models = values.get("models")
-        values["models"] = {**(file_models if isinstance(file_models, Mapping) else {}), **extra_models}
+        file_models = values.get("models", {})
+        if not isinstance(file_models, Mapping):  # never dropped silently in favour of the flags
+            raise ConfigError("models", file_models, f"expected a table of name = bundle directory (TOML "
+                              f"[models] section), got {_kind(file_models)}")
+        values["models"] = {**file_models, **extra_models}
     return config_from_mapping(values, source=str(path) if path is not None else "command line")

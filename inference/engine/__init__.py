@@ -5,6 +5,8 @@ from inference.engine.errors import (
     EngineClosedError,
     EngineError,
     EngineInternalError,
+    ExpertCapacityExhaustedError,
+    ExpertDataLossError,
     ExpertSourceUnavailableError,
     InvalidRequestError,
     QueueFullError,
@@ -20,6 +22,6 @@ __all__ = [
     "Engine", "Health", "Liveness", "Job", "Choice", "ModelRunner", "EngineMetrics", "SamplingParams",
     "TextDelta", "Finished", "GenerationEvent", "Usage", "TokenLogprob", "encode_chat",
     "encode_completion_prompt", "context_length_of", "eos_token_ids", "EngineError", "InvalidRequestError",
-    "ExpertSourceUnavailableError", "EngineClosedError", "EngineInternalError", "QueueFullError",
-    "RequestTimeoutError",
+    "ExpertSourceUnavailableError", "ExpertDataLossError", "ExpertCapacityExhaustedError", "EngineClosedError",
+    "EngineInternalError", "QueueFullError", "RequestTimeoutError",
 ]

@@ -8,7 +8,10 @@ are refused with QueueFullError), each for at most `request_timeout` seconds fro
 
 When the expert source reports itself unavailable (storaged down or restarting) the request in
 flight fails with ExpertSourceUnavailableError, the engine asks the source to reconnect, and
-until a reconnect succeeds every request is first preceded by another reconnect attempt.
+until a reconnect succeeds every request is first preceded by another reconnect attempt. An
+expert object that fails its integrity check (ExpertDataLossError) or a cache with no room for a
+step's experts (ExpertCapacityExhaustedError) fails only the request at hand: the source is not
+marked unavailable.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from inference.engine.errors import (
     EngineClosedError,
     EngineError,
     EngineInternalError,
+    ExpertCapacityExhaustedError,
+    ExpertDataLossError,
     ExpertSourceUnavailableError,
     QueueFullError,
     RequestTimeoutError,
@@ -303,6 +308,21 @@ class Engine:
         error.__cause__ = cause
         return error
 
+    def _storage_failure(self, job: Job, error: Exception) -> EngineError | None:
+        """Data loss or a full cache in the expert source: counted, logged with the source's own
+        words (which object, which file), answered without them; the source stays healthy."""
+        lost = source_hooks.find_data_loss(error, self.expert_source)
+        if lost is not None:
+            self.metrics.expert_data_loss.inc()
+            log.error("request %s: expert data loss: %s", job.request_id, lost)
+            return ExpertDataLossError(job.request_id)
+        full = source_hooks.find_capacity_exhausted(error, self.expert_source)
+        if full is not None:
+            self.metrics.expert_capacity_exhausted.inc()
+            log.warning("request %s: the expert cache has no room: %s", job.request_id, full)
+            return ExpertCapacityExhaustedError(job.request_id)
+        return None
+
     def _run(self, job: Job) -> None:
         if job.timed_out():
             self._end_unstarted(job, FINISH_TIMEOUT, RequestTimeoutError(job.request_id, job.timeout, waiting=True))
@@ -359,6 +379,9 @@ class Engine:
         source = self.expert_source
         unavailable = source_hooks.find_unavailable(error, source)
         if unavailable is None:
+            storage = self._storage_failure(job, error)
+            if storage is not None:
+                return storage
             log.error("request %s failed", job.request_id, exc_info=error)
             return EngineInternalError(job.request_id, error)
         self._unavailable_reason = str(unavailable)

@@ -1,7 +1,8 @@
 """Typed errors of the generation engine; the server maps each to an HTTP status.
 
 InvalidRequestError -> 400, QueueFullError -> 429, RequestTimeoutError -> 408,
-ExpertSourceUnavailableError and EngineClosedError -> 503, EngineInternalError -> 500.
+ExpertSourceUnavailableError, ExpertCapacityExhaustedError and EngineClosedError -> 503,
+ExpertDataLossError -> 502, EngineInternalError -> 500.
 """
 
 from __future__ import annotations
@@ -27,6 +28,27 @@ class ExpertSourceUnavailableError(EngineError):
     Expert sources may raise it themselves; the engine also raises it in place of a source's own
     "unavailable" exception (see inference.engine.source_hooks), which it keeps as __cause__.
     """
+
+
+class ExpertDataLossError(EngineError):
+    """An expert object the request needed failed its integrity check (storaged's DATA_LOSS, or a
+    checksum mismatch read from a local pack); the request was abandoned, others go on. The
+    message names neither the object's file nor its place: the server's log does."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id}: an expert object this request needs failed its integrity "
+                         "check in the expert storage (data loss); the server's log names it")
+        self.request_id = request_id
+
+
+class ExpertCapacityExhaustedError(EngineError):
+    """The expert cache had no room for the experts one step needed at once (other sessions of the
+    daemon pin the rest); the request was abandoned and may be retried."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id}: the expert cache has no room for this request's experts now "
+                         "(other clients hold its slots); retry later")
+        self.request_id = request_id
 
 
 class EngineClosedError(EngineError):

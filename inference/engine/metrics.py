@@ -56,6 +56,10 @@ class EngineMetrics:
                                            "acquire (when the source reports it)")
         self.expert_source_unavailable = counter("expert_source_unavailable", "Requests failed because the "
                                                  "expert source was unavailable")
+        self.expert_data_loss = counter("expert_data_loss", "Requests failed because an expert object failed its "
+                                        "integrity check in the expert source (the log names the object)")
+        self.expert_capacity_exhausted = counter("expert_capacity_exhausted", "Requests failed because the expert "
+                                                 "cache had no room for one step's experts (others pinned it)")
         self.queue_full = counter("queue_full", "Requests refused with 429 because the queue was full")
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting for the worker", m,
                                  registry=r).labels(model=model)

@@ -7,6 +7,7 @@ import math
 import numbers
 
 from inference.engine.errors import InvalidRequestError
+from servicekit.echo import shown
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_PENALTY = 2.0  # OpenAI's presence/frequency penalties are in [-2, 2]
@@ -62,50 +63,51 @@ class SamplingParams:
 
     def __post_init__(self):
         if not _is_int(self.max_tokens):
-            _refuse("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+            _refuse("max_tokens", f"must be an integer, got {shown(self.max_tokens)}")
         if self.max_tokens < 1:
             _refuse("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            _refuse("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+            _refuse("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}], got {shown(self.temperature)}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            _refuse("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+            _refuse("top_p", f"must be a number in (0, 1], got {shown(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            _refuse("top_k", f"must be an integer, -1 or 0 for off, got {self.top_k!r}")
+            _refuse("top_k", f"must be an integer, -1 or 0 for off, got {shown(self.top_k)}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            _refuse("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+            _refuse("min_p", f"must be a number in [0, 1], got {shown(self.min_p)}")
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
-            _refuse("repetition_penalty", f"must be a number above 0 (1 is off), got {self.repetition_penalty!r}")
+            _refuse("repetition_penalty", f"must be a number above 0 (1 is off), got {shown(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                _refuse(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+                _refuse(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {shown(value)}")
         self._check_logit_bias()
         if self.seed is not None and not _is_int(self.seed):
-            _refuse("seed", f"must be an integer, got {self.seed!r}")
+            _refuse("seed", f"must be an integer, got {shown(self.seed)}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            _refuse("stop", f"must be non-empty strings, got {self.stop!r}")
+            _refuse("stop", f"must be non-empty strings, got {shown(self.stop)}")
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            _refuse("stop_token_ids", f"must be token ids, got {self.stop_token_ids!r}")
+            _refuse("stop_token_ids", f"must be token ids, got {shown(self.stop_token_ids)}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                _refuse(name, f"must be a boolean, got {getattr(self, name)!r}")
+                _refuse(name, f"must be a boolean, got {shown(getattr(self, name))}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            _refuse("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            _refuse("min_tokens",
+                    f"must be an integer in [0, max_tokens={self.max_tokens}], got {shown(self.min_tokens)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            _refuse("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            _refuse("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in bias):
-            _refuse("logit_bias", f"must be (token id, bias) pairs, got {bias!r}")
+            _refuse("logit_bias", f"must be (token id, bias) pairs, got {shown(bias)}")
         for token, value in bias:
             if not _is_int(token) or token < 0:
-                _refuse("logit_bias", f"keys must be token ids, got {token!r}")
+                _refuse("logit_bias", f"keys must be token ids, got {shown(token)}")
             if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                 _refuse("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                                      f"got {value!r} for token {token}")
+                                      f"got {shown(value)} for token {token}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias)))
 
     @property

@@ -19,6 +19,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 _GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")  # transformers' own tag; not jinja
+# a normalizer may fold a few characters into one (NFC composes a letter and its marks), so a token
+# can stand for more characters than it spells: the length bound keeps this much room for that
+NORMALIZATION_SLACK = 4
 
 
 def encode_completion_prompt(tokenizer, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
@@ -26,6 +29,47 @@ def encode_completion_prompt(tokenizer, prompt: str | list[int], *, add_special_
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     return [int(t) for t in prompt]
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the longest entry of the vocabulary (added tokens included): no token of this
+    tokenizer spells more (a byte-level token's spelling has one character per byte)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def prompt_chars_limit(tokenizer, context_length: int | None) -> int | None:
+    """The most characters of text that could encode to fewer than `context_length` tokens, with
+    room to spare (NORMALIZATION_SLACK); None when the context is unknown."""
+    if context_length is None:
+        return None
+    return context_length * longest_token_chars(tokenizer) * NORMALIZATION_SLACK
+
+
+def check_prompt_chars(tokenizer, context_length: int | None, chars: int, *, param: str) -> None:
+    """Refuse a text far too long for the context before tokenizing it (which takes seconds for
+    megabytes); what passes is tokenized and then checked exactly, in tokens."""
+    limit = prompt_chars_limit(tokenizer, context_length)
+    if limit is not None and chars > limit:
+        raise InvalidRequestError(
+            f"{param}: {chars} characters cannot fit this model's context of {context_length} tokens (the limit is "
+            f"{limit} characters: {longest_token_chars(tokenizer)} at most per token, x{NORMALIZATION_SLACK}); "
+            "refused before tokenizing", param=param, code="context_length_exceeded")
+
+
+def text_chars(value) -> int:
+    """Characters of every string in a JSON value (the messages of a chat request, say); a loop,
+    not a recursion, however deep the value is nested."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total
 
 
 @functools.lru_cache(maxsize=8)

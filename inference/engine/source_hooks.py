@@ -11,6 +11,9 @@ backed by a daemon (storaged) may also offer:
   than the worker's, so it must be thread-safe.
 - `unavailable_errors: tuple[type[BaseException], ...]`: exception types that mean "the source
   is down or restarting" (storaged.client.errors.Unavailable is always recognized).
+- `data_loss_errors`, `capacity_errors`: exception types that mean "an expert object failed its
+  integrity check" and "the source has no room for one step's experts now" (storaged's DataLoss
+  and CapacityExhausted, and packtools' ObjectChecksumError, are always recognized).
 """
 
 from __future__ import annotations
@@ -33,6 +36,24 @@ def unavailable_error_types(source) -> tuple[type[BaseException], ...]:
     return (ExpertSourceUnavailableError, *_storaged_unavailable(), *declared)
 
 
+def _storaged_storage_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(data loss types, capacity types) of storaged's client and packtools' pack reader."""
+    data_loss: tuple[type[BaseException], ...] = ()
+    capacity: tuple[type[BaseException], ...] = ()
+    try:
+        from packtools.pack.errors import ObjectChecksumError
+        data_loss += (ObjectChecksumError,)
+    except ImportError:
+        pass
+    try:
+        from storaged.client.errors import CapacityExhausted, DataLoss
+        data_loss += (DataLoss,)
+        capacity += (CapacityExhausted,)
+    except ImportError:
+        pass
+    return data_loss, capacity
+
+
 def _chain(error: BaseException) -> Iterator[BaseException]:
     seen = set()
     while error is not None and id(error) not in seen:  # transformers code may wrap exceptions
@@ -44,6 +65,18 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 def find_unavailable(error: BaseException, source) -> BaseException | None:
     """The "source unavailable" exception in `error`'s cause chain, or None."""
     kinds = unavailable_error_types(source)
+    return next((e for e in _chain(error) if isinstance(e, kinds)), None)
+
+
+def find_data_loss(error: BaseException, source) -> BaseException | None:
+    """The "expert object failed its integrity check" exception in `error`'s cause chain, or None."""
+    kinds = (*_storaged_storage_errors()[0], *(getattr(source, "data_loss_errors", ()) or ()))
+    return next((e for e in _chain(error) if isinstance(e, kinds)), None)
+
+
+def find_capacity_exhausted(error: BaseException, source) -> BaseException | None:
+    """The "no room for this step's experts now" exception in `error`'s cause chain, or None."""
+    kinds = (*_storaged_storage_errors()[1], *(getattr(source, "capacity_errors", ()) or ()))
     return next((e for e in _chain(error) if isinstance(e, kinds)), None)
 
 

@@ -23,6 +23,10 @@ class SerializedTokenizer:
         with self._lock:
             return self.tokenizer.decode(*args, **kwargs)
 
+    def get_vocab(self):
+        with self._lock:
+            return self.tokenizer.get_vocab()
+
     def apply_chat_template(self, *args, **kwargs):
         with self._lock:
             return self.tokenizer.apply_chat_template(*args, **kwargs)

@@ -8,11 +8,13 @@ from aiohttp import web
 from inference import __version__
 from inference.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inference.engine import InvalidRequestError
+from inference.server.errors import public
 from inference.server.generation import chat_completions, completions
 from inference.server.middleware import add_cors_headers, front
 from inference.server.responses import model_card, models_list
 from inference.server.state import STATE, ServerState
 from inference.server.tokenize import detokenize, tokenize
+from servicekit.echo import shown
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts; aiohttp's default is 1 MiB
 
@@ -30,7 +32,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
     if name != state.model_name:
-        raise InvalidRequestError(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        raise InvalidRequestError(f"the model {shown(name)} does not exist", param="model", code="model_not_found")
     return web.json_response(model_card(state.model_name, state.created, _max_model_len(state)))
 
 
@@ -38,9 +40,9 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is None:
         reason = f"model failed to load: {state.load_error}" if state.load_error else "model loading"
-        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+        return web.json_response({"status": "unavailable", "reason": public(reason)}, status=503)
     report = await state.engine.health()
-    return web.json_response({"status": "ok" if report.ok else "unavailable", "reason": report.reason},
+    return web.json_response({"status": "ok" if report.ok else "unavailable", "reason": public(report.reason)},
                              status=200 if report.ok else 503)
 
 

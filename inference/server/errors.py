@@ -1,15 +1,22 @@
-"""Exceptions to OpenAI-style error responses: {"error": {"message", "type", "param", "code"}}."""
+"""Exceptions to OpenAI-style error responses: {"error": {"message", "type", "param", "code"}}.
+
+A server error's message never shows a path of the server's files (a bundle, a pack, a socket):
+the exceptions behind 5xx answers carry them for the log, and `public` blanks them for clients.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 
 from aiohttp import web
 
 from inference.engine import (
     EngineClosedError,
     EngineError,
+    ExpertCapacityExhaustedError,
+    ExpertDataLossError,
     ExpertSourceUnavailableError,
     InvalidRequestError,
     QueueFullError,
@@ -25,6 +32,14 @@ RATE_LIMIT = "rate_limit_error"  # OpenAI's type for 429
 TIMEOUT = "timeout_error"
 SERVER_ERROR = "server_error"
 RETRY_AFTER_SECONDS = "1"
+HIDDEN_PATH = "<path>"
+# an absolute, ~ or ./ path: not inside a word, a number or a URL (http://host/x), but after unix:
+_PATH = re.compile(r"(?:(?<=unix:)|(?<![\w.:/~-]))(?:~|\.\.?)?/[^\s'\"()\[\]{},;:]*[^\s'\"()\[\]{},;:.]")
+
+
+def public(message: str) -> str:
+    """`message` with every filesystem path in it replaced by <path>, for a client's eyes."""
+    return _PATH.sub(HIDDEN_PATH, message)
 
 
 class ModelNotLoadedError(EngineError):
@@ -47,12 +62,18 @@ def status_and_body(error: BaseException) -> tuple[int, dict]:
     if isinstance(error, RequestTimeoutError):
         return 408, error_body(str(error), type_=TIMEOUT, code="request_timeout")
     if isinstance(error, ExpertSourceUnavailableError):
-        return 503, error_body(str(error), type_=SERVICE_UNAVAILABLE, code="expert_source_unavailable")
+        return 503, error_body(public(str(error)), type_=SERVICE_UNAVAILABLE, code="expert_source_unavailable")
+    if isinstance(error, ExpertCapacityExhaustedError):
+        return 503, error_body(public(str(error)), type_=SERVICE_UNAVAILABLE, code="expert_capacity_exhausted")
+    if isinstance(error, ExpertDataLossError):
+        # the expert storage behind this server answered, but without the intact object: a
+        # gateway's failure of its upstream, and retrying does not repair the bundle
+        return 502, error_body(public(str(error)), type_=SERVER_ERROR, code="expert_data_loss")
     if isinstance(error, EngineClosedError):
-        return 503, error_body(str(error), type_=SERVICE_UNAVAILABLE, code="shutting_down")
+        return 503, error_body(public(str(error)), type_=SERVICE_UNAVAILABLE, code="shutting_down")
     if isinstance(error, ModelNotLoadedError):
-        return 503, error_body(str(error), type_=SERVICE_UNAVAILABLE, code="model_not_loaded")
-    return 500, error_body(f"internal error: {type(error).__name__}: {error}", type_=SERVER_ERROR)
+        return 503, error_body(public(str(error)), type_=SERVICE_UNAVAILABLE, code="model_not_loaded")
+    return 500, error_body(public(f"internal error: {type(error).__name__}: {error}"), type_=SERVER_ERROR)
 
 
 def error_response(error: BaseException) -> web.Response:

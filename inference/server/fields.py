@@ -61,7 +61,8 @@ FIELDS: tuple[Field, ...] = (
     _honoured("max_completion_tokens", "same as `max_tokens`; wins over it", {CHAT}),
     _honoured("temperature", "[0, 2]; 0 is greedy"),
     _honoured("top_p", "(0, 1]"),
-    _honoured("seed", "same seed, same tokens; choice i of `n` uses seed + i"),
+    _honoured("seed", "a 64-bit signed integer (400 outside [-2^63, 2^63 - 1]); same seed, same tokens; "
+              "choice i of `n` uses seed + i"),
     _honoured("stop", "a string or a list of them; the text ends before the match"),
     _honoured("n", "choices generated one after another"),
     _honoured("stream", "server-sent events"),

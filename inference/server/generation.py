@@ -24,12 +24,13 @@ from inference.engine import (
     encode_completion_prompt,
 )
 from inference.engine.generate import FINISH_CANCELLED
-from inference.engine.prompt import check_template_kwargs
+from inference.engine.prompt import check_prompt_chars, check_template_kwargs, text_chars
 from inference.server.errors import ModelNotLoadedError, status_and_body
 from inference.server.middleware import RESPONSE_ID, TAGS, USAGE
 from inference.server.protocol import ParsedRequest, parse_request
 from inference.server.responses import SSE_DONE, CompletionShape, sse
 from inference.server.state import STATE, ServerState
+from servicekit.echo import shown
 
 log = logging.getLogger("inference.server")
 
@@ -46,11 +47,15 @@ async def json_body(request: web.Request):
         return await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise InvalidRequestError(f"the request body is not valid JSON here: {str(exc).split(';')[0]}") from exc
+    except RecursionError:  # arrays or objects nested deeper than the decoder's recursion allows
+        raise InvalidRequestError("the request body is not valid JSON here: nested too deeply") from None
 
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise InvalidRequestError(f"the model {model!r} does not exist; this server serves "
+        raise InvalidRequestError(f"the model {shown(model)} does not exist; this server serves "
                                   f"{state.model_name!r}", param="model", code="model_not_found")
 
 
@@ -60,8 +65,20 @@ def _check_not_cancelled(finished: Finished) -> None:
         raise EngineClosedError("the request was cancelled: the server is shutting down")
 
 
+def check_prompt_lengths(engine, parsed: ParsedRequest) -> None:
+    """Refuse a text prompt far longer than the context can hold before tokenizing it."""
+    context, tokenizer = engine.runner.context_length, engine.tokenizer
+    if parsed.chat:
+        check_prompt_chars(tokenizer, context, text_chars(parsed.messages), param="messages")
+        return
+    for prompt in parsed.prompts:
+        if isinstance(prompt, str):
+            check_prompt_chars(tokenizer, context, len(prompt), param="prompt")
+
+
 def _encode_prompts(engine, parsed: ParsedRequest) -> list[list[int]]:
     tokenizer = engine.tokenizer
+    check_prompt_lengths(engine, parsed)
     if parsed.chat:  # reasoning_effort is a field of its own: a refusal names it, not chat_template_kwargs
         kwargs = dict(parsed.template_kwargs)
         effort = {"reasoning_effort": kwargs.pop("reasoning_effort")} if "reasoning_effort" in kwargs else {}

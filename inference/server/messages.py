@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 
 from inference.engine import InvalidRequestError
+from servicekit.echo import shown
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_KEYS = ("reasoning_content", "reasoning")  # vLLM's and OpenRouter's names for a turn's thinking
@@ -32,20 +33,20 @@ def _content(param: str, message: dict) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                _refuse(f"{param}[{j}]", f"only text parts are supported, got a {kind!r} part")
+                _refuse(f"{param}[{j}]", f"only text parts are supported, got a {shown(kind)} part")
             texts.append(part["text"])
         return "".join(texts)
-    _refuse(param, f"must be a string or a list of text parts, got {content!r}")
+    _refuse(param, f"must be a string or a list of text parts, got {shown(content)}")
 
 
 def _tool_call(param: str, call) -> dict:
     if not isinstance(call, dict):
-        _refuse(param, f"must be an object, got {call!r}")
+        _refuse(param, f"must be an object, got {shown(call)}")
     if call.get("type", "function") != "function":
-        _refuse(f"{param}.type", f"only 'function' tool calls exist, got {call.get('type')!r}")
+        _refuse(f"{param}.type", f"only 'function' tool calls exist, got {shown(call.get('type'))}")
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-        _refuse(f"{param}.function", f"must be an object with a 'name', got {function!r}")
+        _refuse(f"{param}.function", f"must be an object with a 'name', got {shown(function)}")
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
@@ -54,12 +55,14 @@ def _tool_call(param: str, call) -> dict:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as exc:
             _refuse(f"{param}.function.arguments", f"is not valid JSON: {exc}")
+        except RecursionError:
+            _refuse(f"{param}.function.arguments", "is not valid JSON here: nested too deeply")
     if not isinstance(arguments, dict):
-        _refuse(f"{param}.function.arguments", f"must encode a JSON object, got {arguments!r}")
+        _refuse(f"{param}.function.arguments", f"must encode a JSON object, got {shown(arguments)}")
     parsed = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id") is not None:
         if not isinstance(call["id"], str):
-            _refuse(f"{param}.id", f"must be a string, got {call['id']!r}")
+            _refuse(f"{param}.id", f"must be a string, got {shown(call['id'])}")
         parsed["id"] = call["id"]
     return parsed
 
@@ -67,28 +70,29 @@ def _tool_call(param: str, call) -> dict:
 def _message(i: int, message, unknown: Callable[[list[str]], None]) -> dict:
     param = f"messages[{i}]"
     if not isinstance(message, dict):
-        _refuse(param, f"must be an object, got {message!r}")
+        _refuse(param, f"must be an object, got {shown(message)}")
     role = message.get("role")
     if role not in CHAT_ROLES:
-        _refuse(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        _refuse(f"{param}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {shown(role)}")
     parsed = {"role": role, "content": _content(f"{param}.content", message)}
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
-            _refuse(f"{param}.name", f"must be a string, got {name!r}")
+            _refuse(f"{param}.name", f"must be a string, got {shown(name)}")
         parsed["name"] = name
     calls = message.get("tool_calls")
     if calls is not None:
         if role != "assistant":
-            _refuse(f"{param}.tool_calls", f"only assistant messages carry tool calls, not {role!r} ones")
+            _refuse(f"{param}.tool_calls", f"only assistant messages carry tool calls, not {shown(role)} ones")
         if not isinstance(calls, list):
-            _refuse(f"{param}.tool_calls", f"must be a list, got {calls!r}")
+            _refuse(f"{param}.tool_calls", f"must be a list, got {shown(calls)}")
         if calls:
             parsed["tool_calls"] = [_tool_call(f"{param}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            _refuse(f"{param}.tool_call_id", f"a tool message needs the id of the call it answers, got {call_id!r}")
+            _refuse(f"{param}.tool_call_id",
+                    f"a tool message needs the id of the call it answers, got {shown(call_id)}")
         parsed["tool_call_id"] = call_id
     for key in REASONING_KEYS:
         if message.get(key) is not None:
@@ -110,5 +114,5 @@ def parse_messages(body: dict, unknown: Callable[[list[str]], None] = lambda nam
     if messages is None:
         _refuse("messages", "is required")
     if not isinstance(messages, list) or not messages:
-        _refuse("messages", f"must be a non-empty list, got {messages!r}")
+        _refuse("messages", f"must be a non-empty list, got {shown(messages)}")
     return [_message(i, m, unknown) for i, m in enumerate(messages)]

@@ -13,10 +13,12 @@ import logging
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from inference.server.errors import INVALID_REQUEST, SERVER_ERROR, UnauthorizedError, error_response, status_and_body
 from inference.server.responses import error_body
 from inference.server.state import STATE, ServerState
+from servicekit.echo import ECHO_CHARS, shown
 
 log = logging.getLogger("inference.server")
 access_log = logging.getLogger("inference.access")
@@ -28,6 +30,22 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize
 PREFLIGHT_MAX_AGE = "600"  # seconds a browser may cache a preflight answer
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_DEFAULT_HEADERS = "Authorization, Content-Type"
+
+
+class ParserErrorLog(logging.LoggerAdapter):
+    """aiohttp's server log, less the traceback it writes for a request its HTTP parser refused (a
+    header line of more than 8190 bytes, a malformed request line): that is the client's error,
+    which aiohttp answers 400 itself; one warning line says what it was."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError) and 400 <= exc_info.code < 500:
+            what = " ".join(str(exc_info.message).split())
+            self.warning(f"{msg}: %s: %s", *args, type(exc_info).__name__, what[:200], **kwargs)
+        else:
+            self.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
+PARSER_ERROR_LOG = ParserErrorLog(logging.getLogger("aiohttp.server"), {})
 
 # what handlers leave on the request for the access log
 USAGE = web.RequestKey("usage", dict)
@@ -67,7 +85,7 @@ def _is_preflight(request: web.Request) -> bool:
 def _preflight(state: ServerState, request: web.Request) -> web.Response:
     origin = request.headers["Origin"]
     if not _origin_allowed(state, origin):
-        return web.json_response(error_body(f"origin {origin!r} is not allowed (--allowed-origins)",
+        return web.json_response(error_body(f"origin {shown(origin)} is not allowed (--allowed-origins)",
                                             type_=INVALID_REQUEST, code="cors_origin_not_allowed"), status=403)
     requested = request.headers.get("Access-Control-Request-Headers")
     return web.Response(status=204, headers={
@@ -94,6 +112,11 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
         return
     response.headers["Access-Control-Allow-Origin"] = "*" if "*" in state.allowed_origins else origin
     response.headers.add("Vary", "Origin")
+
+
+def _cut(path: str) -> str:
+    """A request path for an error message: at most ECHO_CHARS of it, as the client sent it."""
+    return path if len(path) <= ECHO_CHARS else f"{path[:ECHO_CHARS]}... ({len(path)} characters)"
 
 
 def _log_access(state: ServerState, request: web.Request, status: int, started: float) -> None:
@@ -126,7 +149,10 @@ async def front(request: web.Request, handler):
         if exc.status < 400:
             raise
         type_ = INVALID_REQUEST if exc.status < 500 else SERVER_ERROR
-        response = web.json_response(error_body(f"{exc.reason}: {request.method} {request.path}", type_=type_),
+        message = f"{exc.reason}: {request.method} {_cut(request.path)}"
+        if exc.text and exc.text != f"{exc.status}: {exc.reason}":  # aiohttp says more (413: the limit)
+            message += f" ({exc.text.rstrip('.')})"
+        response = web.json_response(error_body(message, type_=type_),
                                      status=exc.status, headers={"Allow": exc.headers["Allow"]}
                                      if "Allow" in exc.headers else None)
     except asyncio.CancelledError:
@@ -134,7 +160,7 @@ async def front(request: web.Request, handler):
         raise
     except Exception as exc:
         status, _ = status_and_body(exc)
-        if status >= 500 and status != 503:
+        if status == 500:  # a bug; 502 and 503 are the expert storage's, logged by the engine already
             log.exception("%s %s failed", request.method, request.path)
         response = error_response(exc)
     _log_access(state, request, response.status, started)

@@ -14,8 +14,10 @@ from inference.engine import InvalidRequestError, SamplingParams
 from inference.engine.params import MAX_LOGPROBS
 from inference.server.fields import REFUSED, fields_for
 from inference.server.messages import parse_messages
+from servicekit.echo import shown
 
 MAX_CHOICES = 128  # prompts x n in one request; OpenAI's n is at most 128 too
+SEED_RANGE = (-2**63, 2**63 - 1)  # OpenAI's seed is an int64; the generator would fold others modulo 2^64
 TAG_FIELDS = ("user", "safety_identifier", "metadata", "prompt_cache_key")
 # request fields passed to SamplingParams under the same name
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -72,7 +74,7 @@ def _field(body: dict, name: str, check, expected: str, default=None):
     if value is None:
         return default
     if not check(value):
-        raise InvalidRequestError(f"'{name}' must be {expected}, got {value!r}", param=name)
+        raise InvalidRequestError(f"'{name}' must be {expected}, got {shown(value)}", param=name)
     return value
 
 
@@ -83,7 +85,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise InvalidRequestError(f"'stop' must be a non-empty string or a list of them, got {stop!r}", param="stop")
+        raise InvalidRequestError(f"'stop' must be a non-empty string or a list of them, got {shown(stop)}",
+                                  param="stop")
     return tuple(stop)
 
 
@@ -95,7 +98,7 @@ def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
         prompt = [prompt]  # one prompt
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(f"'prompt' must be a string, a list of token ids, or a non-empty list of either, "
-                                  f"got {prompt!r}", param="prompt")
+                                  f"got {shown(prompt)}", param="prompt")
     prompts = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
@@ -103,7 +106,7 @@ def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
             prompts.append(tuple(int(t) for t in p))
         else:
-            raise InvalidRequestError(f"prompt[{i}] must be a string or a non-empty list of token ids, got {p!r}",
+            raise InvalidRequestError(f"prompt[{i}] must be a string or a non-empty list of token ids, got {shown(p)}",
                                       param="prompt")
     return tuple(prompts)
 
@@ -113,7 +116,7 @@ def _check_catalogue(body: dict, chat: bool, unknown: Callable[[list[str]], None
     for name, value in body.items():
         field = known.get(name)
         if field is not None and field.status == REFUSED and not field.accepted(value):
-            raise InvalidRequestError(f"'{name}' is not supported by this server ({field.note}), got {value!r}",
+            raise InvalidRequestError(f"'{name}' is not supported by this server ({field.note}), got {shown(value)}",
                                       param=name)
     unknown([name for name in body if name not in known])
 
@@ -125,9 +128,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {shown(key)}",
+                                      param="logit_bias") from None
         if not _is_number(value):
-            raise InvalidRequestError(f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias")
+            raise InvalidRequestError(f"'logit_bias' values must be numbers, got {shown(value)}", param="logit_bias")
         pairs.append((token, value))
     return tuple(pairs)
 
@@ -155,7 +159,7 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
         if key not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
             raise InvalidRequestError(f"'{param}' is not a stream option this server knows", param=param)
         if value is not None and not isinstance(value, bool):
-            raise InvalidRequestError(f"'{param}' must be a boolean, got {value!r}", param=param)
+            raise InvalidRequestError(f"'{param}' must be a boolean, got {shown(value)}", param=param)
     if options.get("continuous_usage_stats") and not options.get("include_usage"):
         raise InvalidRequestError("'stream_options.continuous_usage_stats' needs 'include_usage': true (as in vLLM)",
                                   param="stream_options.continuous_usage_stats")
@@ -195,6 +199,10 @@ def _sampling(body: dict) -> dict:
         value = _field(body, name, check, expected)
         if value is not None:
             sampling[name] = float(value) if expected == "a number" else value
+    seed = sampling.get("seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise InvalidRequestError(f"'seed' must be a 64-bit signed integer, in [-2^63, 2^63 - 1], got {shown(seed)}",
+                                  param="seed")
     stop_ids = _field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                       "a list of token ids", [])
     sampling.update(stop=_stop(body), stop_token_ids=tuple(stop_ids), logit_bias=_logit_bias(body))

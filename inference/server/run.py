@@ -22,6 +22,7 @@ from inference.config import ServeConfig, load_from_args
 from inference.engine import Engine, EngineMetrics
 from inference.engine.generation_defaults import GenerationConfigError, read_generation_defaults
 from inference.server.app import create_app
+from inference.server.middleware import PARSER_ERROR_LOG
 from inference.server.state import ServerState
 from inference.server.watchdog import EngineWatchdog
 from servicekit.notify import Notifier, NotifyEnvironmentError
@@ -81,7 +82,7 @@ async def serve_async(config: ServeConfig) -> int:
                         generation_defaults=defaults, api_keys=config.api_keys,
                         allowed_origins=config.allowed_origins, access_log=config.access_log)
     runner = web.AppRunner(create_app(state), handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout, access_log=None)
+                           shutdown_timeout=config.shutdown_timeout, access_log=None, logger=PARSER_ERROR_LOG)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import numbers
 import socket
 import struct
 from collections.abc import Sequence
 
 import grpc
 
-from storaged.client.errors import ClientClosed, StorageError, Unavailable, from_status
+from storaged.client.errors import ClientClosed, InvalidRequest, StorageError, Unavailable, from_status
 from storaged.wire import dataplane as wire
 from storaged.wire.dataplane import Kind
 
@@ -115,7 +116,10 @@ class DataPlaneClient:
                 ) -> tuple[list[int], list[int]]:
         """(slots, ready events) of `experts` of `layer`, in order (see Session.acquire_raw)."""
         flags = wire.ACQUIRE_RELEASE_OTHER_LAYERS if release_other_layers else 0
-        body = wire.ACQUIRE_HEAD.pack(layer, flags, len(experts)) + wire.u32_array(experts)
+        try:
+            body = wire.ACQUIRE_HEAD.pack(layer, flags, len(experts)) + wire.u32_array(experts)
+        except struct.error:
+            raise _out_of_range("Acquire", layer, experts) from None
         reply = self._call(Kind.ACQUIRE, body, Kind.ACQUIRE_OK, "Acquire")
         if len(reply) != 8 * len(experts):
             raise StorageError(grpc.StatusCode.INTERNAL, f"ACQUIRE_OK of {len(reply)} bytes for {len(experts)} "
@@ -125,11 +129,18 @@ class DataPlaneClient:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Send a hint and return at once; its reply is checked before the next awaited reply."""
-        request_id = self._send(Kind.PREFETCH, wire.PREFETCH_HEAD.pack(layer, len(experts)) + wire.u32_array(experts))
+        try:
+            body = wire.PREFETCH_HEAD.pack(layer, len(experts)) + wire.u32_array(experts)
+        except struct.error:
+            raise _out_of_range("Prefetch", layer, experts) from None
+        request_id = self._send(Kind.PREFETCH, body)
         self._prefetches.add(request_id)
 
     def release(self, layer: int | None) -> None:
-        body = wire.RELEASE_BODY.pack(0 if layer is None else 1, 0 if layer is None else layer)
+        try:
+            body = wire.RELEASE_BODY.pack(0 if layer is None else 1, 0 if layer is None else layer)
+        except struct.error:
+            raise _out_of_range("Release", layer, ()) from None
         self._call(Kind.RELEASE, body, Kind.RELEASE_OK, "Release")
 
     def close(self) -> None:
@@ -221,6 +232,14 @@ def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> in
         raise _error(body, "ARENA")
     raise StorageError(grpc.StatusCode.INTERNAL, f"{path}: ARENA answered with frame kind {kind} and "
                        f"{len(received)} descriptors", rpc="ARENA")
+def _out_of_range(rpc: str, layer: int, experts: Sequence[int]) -> StorageError:
+    """The frames carry u32 ids: a request struct could not pack is refused as the daemon refuses
+    it over gRPC (INVALID_ARGUMENT naming the value), not with a bare struct.error."""
+    for what, value in (("layer", layer), *(("expert", e) for e in experts)):
+        if not isinstance(value, numbers.Integral) or not 0 <= value <= wire.U32_MAX:
+            return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{what} {value!r} is out of range: layer "
+                                  "and expert ids are integers in [0, 2^32)", rpc=rpc)
+    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{len(experts)} expert ids cannot be framed", rpc=rpc)
 
 
 def _error(body: bytes, rpc: str) -> StorageError:

@@ -36,6 +36,7 @@ from storaged.config import StoragedConfig
 from storaged.server.models import ServedModel
 from servicekit.notify import Notifier, NotifyEnvironmentError
 from storaged.server.dataplane import DataPlaneServer
+from storaged.server.malformed import MalformedRequestInterceptor
 from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
 from storaged.server.runtime import Runtime, StartupError, build_runtime
 from storaged.server.servicer import ExpertStorageServicer
@@ -46,6 +47,7 @@ from storaged.wire import dataplane as wire
 EXIT_OK = 0
 EXIT_STARTUP = 1
 SOCKET_MODE = 0o660
+SOCKET_DIR_MODE = 0o750  # a directory it creates for the socket: the socket's group may reach it, others not
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStorage"].full_name
 STATUS_INTERVAL_SECONDS = 10.0  # how often `systemctl status` gets a fresh STATUS= line
@@ -54,12 +56,13 @@ log = logging.getLogger("storaged")
 
 
 def prepare_socket_path(path: Path) -> None:
-    """Create the parent directory; remove a stale socket; refuse if a daemon is listening there."""
+    """Create the parent directory (SOCKET_DIR_MODE); remove a stale socket; refuse if a daemon is
+    listening there."""
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise StartupError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow "
                            f"{MAX_SOCKET_PATH}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_socket_directory(path.parent)
     except OSError as exc:
         raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
     try:
@@ -75,6 +78,21 @@ def prepare_socket_path(path: Path) -> None:
             os.unlink(path)  # nobody listens: a socket left behind by a daemon that died
             return
     raise StartupError(f"another process is already listening on {path}")
+
+
+def _make_socket_directory(directory: Path) -> None:
+    """Create the missing directories down to `directory`, each SOCKET_DIR_MODE whatever the umask
+    (an existing one is left as its owner made it)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, SOCKET_DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs
+        os.chmod(path, SOCKET_DIR_MODE)
 
 
 def _remove_socket(path: Path) -> None:
@@ -130,7 +148,7 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
                                  runtime.fences, AccessPolicy.from_config(config))
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()])
     pb_grpc.add_ExpertStorageServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

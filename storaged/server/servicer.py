@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
+from servicekit.echo import shown
 from storaged import __version__
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
@@ -36,7 +37,7 @@ class StreamSessionMismatch(ValueError):
 
     def __init__(self, session_id: str, command: convert.AcquireCommand):
         super().__init__(f"this Acquire stream belongs to session {session_id!r}; request "
-                         f"{command.request_id} names {command.session_id!r}")
+                         f"{command.request_id} names {shown(command.session_id)}")
 
 
 def status_of(error: Exception) -> grpc.StatusCode | None:
@@ -110,7 +111,7 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         await self._refuse_if_stopping(context)
         model = self.models.get(request.model)
         if model is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {shown(request.model)} is not served "
                                 f"(served: {', '.join(sorted(self.models))})")
         descriptor = self.runtime.arena.descriptor()  # CUDA: a fresh IPC export for this client
         session = self.sessions.open(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from servicekit.echo import shown
 from storaged.server.models import ServedModel
 
 
@@ -18,8 +19,8 @@ class SessionNotFound(LookupError):
     """An RPC named a session id that was never issued or is already closed."""
 
     def __init__(self, session_id: str):
-        shown = session_id if len(session_id) <= 64 else session_id[:64] + "..."
-        super().__init__(f"session {shown!r} is unknown (never attached, detached, or its client went away)")
+        super().__init__(f"session {shown(session_id)} is unknown "
+                         "(never attached, detached, or its client went away)")
         self.session_id = session_id
 
 

@@ -71,6 +71,7 @@ class Kind:
 ACQUIRE_RELEASE_OTHER_LAYERS = 1  # ACQUIRE flags bit 0
 
 U32 = struct.Struct("<I")
+U32_MAX = 2**32 - 1  # layer and expert ids above it cannot be framed (gRPC refuses them too)
 ACQUIRE_HEAD = struct.Struct("<III")  # layer, flags, count
 PREFETCH_HEAD = struct.Struct("<II")  # layer, count
 RELEASE_BODY = struct.Struct("<II")  # has_layer, layer

@@ -24,14 +24,15 @@ _LISTENING = re.compile(r"serving '([^']*)' on (http://\S+)")
 
 
 class ServerProcess:
-    """`python -m inference serve --bundle B --port 0 --local`, its address read from its first line.
+    """`python -m inference serve --bundle B --port 0 --local` (or another expert `source`, such as
+    `--storaged SOCKET --storaged-model NAME`), its address read from its first line.
 
     `lines` collects its stdout and stderr (the log, access log included) as they come.
     """
 
     def __init__(self, bundle: Path, *extra: str, model_name: str = "tiny-moe", env: dict | None = None,
-                 healthy: bool = True):
-        command = [sys.executable, "-m", "inference", "serve", "--bundle", str(bundle), "--port", "0", "--local",
+                 healthy: bool = True, source: tuple[str, ...] = ("--local",)):
+        command = [sys.executable, "-m", "inference", "serve", "--bundle", str(bundle), "--port", "0", *source,
                    "--dtype", "float32", "--torch-threads", "1", "--model-name", model_name, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,

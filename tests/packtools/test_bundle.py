@@ -111,6 +111,13 @@ BROKEN = [
                  "experts per layer", id="manifest-expert-count"),
     pytest.param(edit_json("manifest.json", lambda m: m["experts"].update(moe_layers=[1])), "manifest.json",
                  "moe layers", id="manifest-layers"),
+    # the right value of the wrong JSON type: the message names both types instead of "'4' but ... has 4"
+    pytest.param(edit_json("manifest.json", lambda m: m["experts"].update(num_experts="4")), "manifest.json",
+                 "experts per layer must be a JSON integer", id="manifest-expert-count-a-string"),
+    pytest.param(edit_json("manifest.json", lambda m: m["experts"].update(moe_layers=["0", "1"])), "manifest.json",
+                 "moe layers must be a JSON array of integers", id="manifest-layers-strings"),
+    pytest.param(edit_json("manifest.json", lambda m: m["pack"].update(size=str(m["pack"]["size"]))),
+                 "manifest.json", "pack size must be a JSON integer", id="manifest-pack-size-a-string"),
 ]
 
 
@@ -236,6 +243,39 @@ def test_staged_bundle_replaces_only_bundles_and_empty_directories(tmp_path):
         with staged_bundle(target, force=True):
             pass
     assert (target / "weights.bin").read_bytes() == b"user data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_concurrent_build_that_finished_first_keeps_the_output(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(BundleExistsError, match="another build created it while this one ran; this build's "
+                       "output was discarded"):
+        with staged_bundle(target, force=False) as staging:
+            (staging / "manifest.json").write_text('{"mine": true}')
+            target.mkdir()  # the other build renames its complete bundle in first
+            (target / "manifest.json").write_text('{"theirs": true}')
+    assert json.loads((target / "manifest.json").read_text()) == {"theirs": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging directory left
+
+
+def test_the_rename_collision_of_two_builds_is_named(tmp_path, monkeypatch):
+    """Both builds saw no output, then one renamed first: rename(2) onto its full directory fails
+    with ENOTEMPTY ("Directory not empty"), which must read as the lost race it is."""
+    target = tmp_path / "out"
+    real_exists = Path.exists
+
+    def blind_to_target(path: Path) -> bool:  # the check ran before the other build's rename
+        return False if path == target else real_exists(path)
+
+    with pytest.raises(BundleExistsError, match="another build created it while this one ran") as caught:
+        with staged_bundle(target, force=False) as staging:
+            (staging / "manifest.json").write_text('{"mine": true}')
+            target.mkdir()
+            (target / "manifest.json").write_text('{"theirs": true}')
+            monkeypatch.setattr(Path, "exists", blind_to_target)
+    monkeypatch.undo()
+    assert "Directory not empty" not in str(caught.value)
+    assert json.loads((target / "manifest.json").read_text()) == {"theirs": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

@@ -8,8 +8,10 @@ the -o path nor a `.NAME.partial-*` staging directory beside it. The bad builds 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -242,6 +244,27 @@ def test_force_replaces_a_bundle(good, tmp_path):
     assert manifest["source"]["kind"] == "hf" and manifest["model_type"] == "qwen3_moe"
     assert packtools("validate", str(out), "--full").returncode == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]  # no staging or old copy left
+
+
+def _small_file_limit() -> None:
+    # RLIMIT_FSIZE makes a write past 64 KiB fail (EFBIG once SIGXFSZ is ignored) exactly as a full
+    # disk makes it fail with ENOSPC: through a write() that names no file
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_a_full_disk_names_the_output_and_debug_keeps_the_exit_status(good, tmp_path, debug):
+    out = tmp_path / "bundle"
+    run = subprocess.run([sys.executable, "-m", "packtools", *(["--debug"] * debug), "build", str(good["gguf"]),
+                          "-o", str(out), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         preexec_fn=_small_file_limit)
+    assert run.returncode == 2, run.stderr
+    message = run.stderr.strip().splitlines()[-1]
+    assert message == (f"packtools build: error: [Errno {errno.EFBIG}] {out}: cannot write the bundle into "
+                       f"{tmp_path}: File too large; nothing was left behind"), message
+    assert ("Traceback" in run.stderr) == debug  # --debug adds the traceback, and nothing else
+    assert not out.exists() and leftovers(tmp_path, "bundle") == []
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])

@@ -116,6 +116,23 @@ def test_incomplete_or_malformed_file(tmp_path, text, needle):
         load_config(_write(tmp_path / "s.toml", text))
 
 
+@pytest.mark.parametrize("models, kind", [('"x"', "a string"), ("3", "an integer"), ('["/a", "/b"]', "an array")])
+def test_models_that_is_not_a_table_is_named_with_its_type(tmp_path, models, kind):
+    toml = _write(tmp_path / "s.toml", f"vram_cache_bytes = 1\nmodels = {models}\n")
+    with pytest.raises(ConfigError, match=f"'models' = .*: expected a table of name = bundle directory .*, got {kind}"):
+        load_config(toml)
+    # a --model flag does not make the file's wrong value disappear
+    with pytest.raises(ConfigError, match=f"got {kind}"):
+        config_from_args(build_parser().parse_args(["--config", str(toml), "--model", "m=/x"]))
+
+
+def test_a_model_flag_given_twice_is_refused_naming_it():
+    args = build_parser().parse_args(["--model", "m=/a", "--model", "other=/c", "--model", "m=/b",
+                                      "--vram-cache-bytes", "1"])
+    with pytest.raises(ConfigError, match=r"model 'm' is given twice \(also as m=/a\)"):
+        config_from_args(args)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "absent.toml")

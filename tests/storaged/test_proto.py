@@ -94,6 +94,21 @@ def test_wire_lock_detects_renumbering(file_proto):
     assert "without `reserved 7;`" in gen.compatibility_problems(file_proto, removed)[0]
 
 
+def test_wire_lock_allows_only_varint_widenings(file_proto):
+    gen = _gen_proto()
+    locked = gen.wire_entries(file_proto)
+    field = "expertpack.storage.v1.AcquireRequest.layer"
+    assert locked[field] == "2 TYPE_UINT64 LABEL_OPTIONAL"
+    # the lock of a uint32 proto: widening to uint64 reads every old value unchanged
+    assert not gen.compatibility_problems(file_proto, dict(locked, **{field: "2 TYPE_UINT32 LABEL_OPTIONAL"}))
+    for was in ("2 TYPE_INT32 LABEL_OPTIONAL", "2 TYPE_FIXED32 LABEL_OPTIONAL", "2 TYPE_UINT32 LABEL_REPEATED",
+                "3 TYPE_UINT32 LABEL_OPTIONAL"):
+        problems = gen.compatibility_problems(file_proto, dict(locked, **{field: was}))
+        assert len(problems) == 1 and field in problems[0], was
+    assert gen.is_widening("5 TYPE_SINT32 LABEL_REPEATED", "5 TYPE_SINT64 LABEL_REPEATED")
+    assert not gen.is_widening("5 TYPE_UINT64 LABEL_OPTIONAL", "5 TYPE_UINT32 LABEL_OPTIONAL")  # narrowing
+
+
 def test_generated_code_imports_without_proto_root_on_sys_path():
     code = ("import sys; from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc; "
             "assert 'expertpack' not in sys.modules, 'generated code imported the bare proto package'; "

@@ -69,7 +69,8 @@ for name, attack in daemon_attacks(pid).items():
         out[name] = "WROTE"
     except OSError as error:
         out[name] = "refused"
-out["arena files"] = glob.glob("/dev/shm/expertpack-arena*") + glob.glob("/tmp/expertpack-arena*")
+# this daemon's files only (a named arena was expertpack-arena-<pid>-*): other daemons may run
+out["arena files"] = glob.glob(f"/dev/shm/expertpack-arena-{pid}-*") + glob.glob(f"/tmp/expertpack-arena-{pid}-*")
 print(json.dumps(out))
 """
 

@@ -84,9 +84,15 @@ def test_socket_mode_and_stale_socket_replaced(tmp_path, bundle):
         assert daemon.stop() == 0
 
 
-def test_socket_directory_is_created(tmp_path, bundle):
-    daemon = start_daemon(tmp_path, {"tiny": bundle.path}, socket_path=tmp_path / "a" / "b" / "s.sock")
+def test_socket_directory_is_created_0750_whatever_the_umask(tmp_path, bundle):
+    # the socket's group reaches the socket through the directories made for it; others do not
+    previous = os.umask(0o002)  # inherited by the daemon: a lax umask must not widen them
+    try:
+        daemon = start_daemon(tmp_path, {"tiny": bundle.path}, socket_path=tmp_path / "a" / "b" / "s.sock")
+    finally:
+        os.umask(previous)
     assert daemon.socket.exists()
+    assert [oct(os.stat(d).st_mode & 0o777) for d in (tmp_path / "a", tmp_path / "a" / "b")] == [oct(0o750)] * 2
     assert daemon.stop() == 0
 
 
@@ -158,6 +164,14 @@ def test_bad_config_fails_start_with_clear_error(tmp_path, bundle, fields, needl
     result = run_daemon_expecting_failure(config)
     assert result.returncode == 2, result.stderr
     assert "storaged: configuration error" in result.stderr and needle in result.stderr, result.stderr
+
+
+def test_a_model_named_twice_on_the_command_line_is_refused(tmp_path, bundle):
+    config = write_config(tmp_path / "s.toml", models={"tiny": bundle.path}, vram_cache_bytes=4 * SLOT_BYTES,
+                          socket=str(tmp_path / "s.sock"), metrics_address="off")
+    result = run_daemon_expecting_failure(config, "--model", f"dup={bundle.path}", "--model", f"dup={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert "model 'dup' is given twice" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_cache_smaller_than_one_slot_fails_start(tmp_path, bundle):
