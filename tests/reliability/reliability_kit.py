@@ -196,8 +196,8 @@ class Figures:
         path.write_text(json.dumps(existing, indent=2, sort_keys=True) + "\n")
 
 
-def scale(default: int, slow: int, env: str, request) -> int:
-    """A case's size: `env` when set, else `slow` for tests marked slow, else `default`."""
+def scale(default: int, slow: int, env: str, size: str) -> int:
+    """A case's size: `env` when set, else `slow` for the slow variant (size "slow"), else `default`."""
     if os.environ.get(env):
         return int(os.environ[env])
-    return slow if request.node.get_closest_marker("slow") else default
+    return slow if size == "slow" else default

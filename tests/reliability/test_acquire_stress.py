@@ -42,8 +42,8 @@ def _round(daemon, crcs, acquires: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("size", [pytest.param("default"), pytest.param("slow", marks=pytest.mark.slow)])
-def test_many_clients_many_acquires(request, disk_dir, size, figures):
-    acquires = scale(100, 2_500, "EXPERTPACK_RELIABILITY_ACQUIRES", request)
+def test_many_clients_many_acquires(disk_dir, size, figures):
+    acquires = scale(100, 10_000, "EXPERTPACK_RELIABILITY_ACQUIRES", size)
     payloads = write_bundle(disk_dir / f"wide-{size}", experts=EXPERTS, seed=2)
     crcs = crcs_of(payloads)
     directory = disk_dir / f"stress-{size}"

@@ -97,7 +97,7 @@ def _daemon(disk_dir, bundle, name: str):
 
 @pytest.fixture(scope="module", params=[pytest.param("default"), pytest.param("slow", marks=pytest.mark.slow)])
 def campaign(request, disk_dir, bundle):
-    kills = scale(30, 100, "EXPERTPACK_RELIABILITY_KILLS", request)
+    kills = scale(30, 100, "EXPERTPACK_RELIABILITY_KILLS", request.param)
     daemon = _daemon(disk_dir, bundle, f"kills-{request.param}")
     try:
         yield daemon, _run(daemon, bundle.payloads, kills, seed=13), request.param

@@ -60,12 +60,12 @@ def _serves(session, payloads, objects) -> int:
 
 
 @pytest.mark.parametrize("size", [pytest.param("default"), pytest.param("slow", marks=pytest.mark.slow)])
-def test_corrupted_objects_are_data_loss_and_the_others_are_served(request, disk_dir, size, figures):
+def test_corrupted_objects_are_data_loss_and_the_others_are_served(disk_dir, size, figures):
     experts = TEST_EXPERTS if size == "default" else 16
     victim = disk_dir / f"victim-{size}"
     victim_payloads = write_bundle(victim, experts=experts, seed=5)
     control_payloads = write_bundle(disk_dir / f"control-{size}", seed=6)
-    sample = scale(20, len(victim_payloads), "EXPERTPACK_RELIABILITY_CORRUPT", request)
+    sample = scale(20, len(victim_payloads), "EXPERTPACK_RELIABILITY_CORRUPT", size)
     rng = random.Random(7)
     targets = rng.sample(sorted(victim_payloads), sample)
     with PackReader(victim / "experts.pack") as reader:
