@@ -54,7 +54,8 @@ OTHER_TABLES: dict[str, list[tuple[str, str | None]]] = {
         ("tests/inference/test_server.py", "test_invalid_requests_get_openai_errors"),
         ("tests/inference/test_server_fields.py", "test_refused_fields_get_a_400_naming_them"),
         ("tests/inference/test_server_protocol.py", "test_refusals_name_the_field"),
-        ("tests/inference/test_server_protocol.py", "test_every_refused_field_accepts_its_off_value_and_refuses_the_rest"),
+        ("tests/inference/test_server_protocol.py",
+         "test_every_refused_field_accepts_its_off_value_and_refuses_the_rest"),
     ],
 }
 SURFACES = ("gRPC and data plane", "TOML", "CLI flags", "bundles", "HTTP")
@@ -96,7 +97,8 @@ def fault_table(figures: dict) -> list[str]:
     if kills := _pick(figures, "client_kills"):
         sessions = kills.get("sessions_left")
         idle = kills.get("session_idle_seconds")
-        after = (f"{sessions} sessions left {idle:g} s after (session_idle_seconds)" if idle is not None else
+        after = (f"{sessions} sessions left once idle ones were closed (session_idle_seconds = {idle:g})"
+                 if idle is not None else
                  f"{sessions} sessions left (no session_idle_seconds in this build: those attached without a "
                  "stream are never closed)")
         rows.append(f"| client processes SIGKILLed at random points | {kills['kills']} clients, 8 at once, killed "
@@ -123,9 +125,10 @@ def fault_table(figures: dict) -> list[str]:
         if faults := figures.get(f"disk_faults_{mode}"):
             codes = "; ".join(f"{kind.upper() if kind == 'eio' else kind + ' reads'}: {', '.join(c)}"
                               for kind, c in faults["codes"].items())
+            attempts = faults["reads"] // faults["faulted_objects"]
             rows.append(f"| disk faults ({'O_DIRECT' if mode == 'direct' else 'buffered'} reads), LD_PRELOAD "
-                        f"shim | EIO on 3 objects, short reads on 3, each read {faults['reads'] // faults['faulted_objects']} "
-                        f"times | {codes}; {faults['counted']}/{faults['reads']} counted in io_errors_total "
+                        f"shim | EIO on 3 objects, short reads on 3, each read {attempts} times | {codes}; "
+                        f"{faults['counted']}/{faults['reads']} counted in io_errors_total "
                         f"({faults['injected_calls']} read calls failed); {faults['others_served']}/"
                         f"{faults['others']} other objects served; daemon alive: {faults['daemon_alive']} | "
                         "UNAVAILABLE naming the object, each read counted, others served, daemon alive |")

@@ -87,7 +87,8 @@ def config_json(change: Callable[[dict], None]) -> Edit:
 def _entry_offset(fields: list, n: int) -> int:
     """File offset of object entry n in the index."""
     layers, roles = fields[6], fields[8]
-    return fields[10] + C.align_up(layers * C.LAYER_STRUCT.size, 8) + n * (C.OBJECT_STRUCT.size + roles * C.ROLE_STRUCT.size)
+    entry = C.OBJECT_STRUCT.size + roles * C.ROLE_STRUCT.size
+    return fields[10] + C.align_up(layers * C.LAYER_STRUCT.size, 8) + n * entry
 
 
 def pack(change: Callable[[bytearray, list], None], *, reseal: bool = True) -> Edit:

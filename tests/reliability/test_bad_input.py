@@ -34,7 +34,7 @@ def _argv(row: Row, tmp_path, good_bundle) -> list[str]:
 
     def fill(text):
         if isinstance(text, bytes):
-            return text.replace(b"{bundle}", str(bundle).encode()).replace(b"{socket}", str(tmp_path / "s.sock").encode())
+            return fill(text.decode("latin-1")).encode("latin-1")  # byte for byte, paths are ASCII
         return text.replace("{bundle}", str(bundle)).replace("{socket}", str(tmp_path / "s.sock"))
 
     config = tmp_path / "storaged.toml"

@@ -136,8 +136,8 @@ def test_killed_clients_leave_no_sessions_after_the_idle_time(campaign, figures)
     daemon, result, size = campaign
     with StorageClient(str(daemon.socket)) as observer:
         try:
-            wait_for(lambda: observer.stats().sessions == 0, timeout=SESSION_IDLE_SECONDS + (10 if HAS_SESSION_IDLE else 2),
-                     what="no sessions left")
+            wait_for(lambda: observer.stats().sessions == 0, what="no sessions left",
+                     timeout=SESSION_IDLE_SECONDS + (10 if HAS_SESSION_IDLE else 2))
         finally:
             figures.record(f"client_kills_{size}", sessions_left=observer.stats().sessions,
                            session_idle_seconds=SESSION_IDLE_SECONDS if HAS_SESSION_IDLE else None)

@@ -80,8 +80,9 @@ def test_injected_read_faults_are_counted_refused_and_the_rest_served(disk_dir, 
     directory.mkdir()
     log = directory / "faults.log"
     metrics = f"127.0.0.1:{free_port()}"
-    daemon = start_daemon(directory, {"tiny": bundle.path}, env=_fault_env(faultshim, bundle.path / "experts.pack", log),
-                          vram_cache_bytes=10 * SLOT_BYTES, metrics_address=metrics, direct_io=direct_io)
+    env = _fault_env(faultshim, bundle.path / "experts.pack", log)
+    daemon = start_daemon(directory, {"tiny": bundle.path}, env=env, vram_cache_bytes=10 * SLOT_BYTES,
+                          metrics_address=metrics, direct_io=direct_io)
     outcomes: dict[tuple[int, int], list[str]] = {}
     served = 0
     try:
