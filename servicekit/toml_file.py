@@ -27,3 +27,6 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise TomlFileError(path, f"cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise TomlFileError(path, f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the whole file first and lets this through
+        raise TomlFileError(path, f"not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                            f"offset {exc.start})") from None
