@@ -15,7 +15,7 @@ EXPECTED_FAMILIES = {
     "acquire_seconds", "resident_experts", "resident_bytes", "io_errors_total", "checksum_failures_total",
     "prefetch_issued_total", "prefetch_used_total", "prefetch_wasted_total", "sessions", "demotions_total",
     "d2h_bytes_total", "fence_waits_total", "fence_wait_seconds_total", "fence_revocations_total",
-    "dataplane_requests_total",
+    "dataplane_requests_total", "sessions_idle_closed_total", "sessions_refused_total",
 }
 
 
