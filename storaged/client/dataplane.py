@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -129,6 +130,21 @@ class DataPlaneClient:
     def release(self, layer: int | None) -> None:
         body = wire.RELEASE_BODY.pack(0 if layer is None else 1, 0 if layer is None else layer)
         self._call(Kind.RELEASE, body, Kind.RELEASE_OK, "Release")
+
+    def peer_closed(self) -> bool:
+        """Whether the daemon has closed this connection (it stopped, restarted, or ended the
+        session); a poll that sends and reads nothing, so it may run while a request is waited for."""
+        if self._closed:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(self._sock, select.POLLRDHUP)  # POLLHUP, POLLERR and POLLNVAL are always reported
+            ready = poller.poll(0)
+        except (ValueError, OSError):  # closed by another thread meanwhile (its fileno is -1 now)
+            return True
+        # Unread replies (prefetch hints') only make it readable (POLLIN): not a sign of its end.
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, events in ready)
 
     def close(self) -> None:
         """Close the connection: the daemon releases the session's pins and ends it."""
