@@ -141,6 +141,12 @@ class StoragedDaemon:
         for leftover in glob.glob(f"/dev/shm/expertpack-arena-{pid}-*"):
             os.unlink(leftover)
 
+    def terminate(self) -> None:
+        """SIGTERM (a clean shutdown: the daemon removes its socket and arena); start() may follow."""
+        self.process.terminate()
+        self.process.wait(60)
+        self.log.close()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
