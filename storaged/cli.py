@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fence-timeout-seconds", type=float,
                         help="how long a session may stay mid-step while a slot it may read waits (default 10)")
     parser.add_argument("--max-ids-per-acquire", type=int)
+    parser.add_argument("--session-idle-seconds", type=float,
+                        help="close a session without an Acquire stream or data plane connection after this "
+                             "long (default 60)")
+    parser.add_argument("--max-sessions-per-peer", type=int,
+                        help="most live sessions one uid may hold; 0 = no bound (default 256)")
     return parser
 
 
@@ -57,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> StoragedConfig:
         "metrics_address": args.metrics_address,
         "device": args.device, "shutdown_grace_seconds": args.shutdown_grace_seconds,
         "max_ids_per_acquire": args.max_ids_per_acquire, "fence_timeout_seconds": args.fence_timeout_seconds,
+        "session_idle_seconds": args.session_idle_seconds, "max_sessions_per_peer": args.max_sessions_per_peer,
     }
     models: dict[str, str] = {}
     for name, path in args.model or ():

@@ -96,6 +96,12 @@ class StoragedConfig:
     # others get PERMISSION_DENIED. Unset (None): whoever the socket's mode and group let in.
     allowed_uids: tuple[int, ...] | None = None
     allowed_gids: tuple[int, ...] | None = None
+    # A session with neither an Acquire stream nor a data plane connection (attached and never
+    # streamed, or its client died before streaming) is closed after this long.
+    session_idle_seconds: float = 60.0
+    # Most live sessions one peer (uid) may hold; Attach beyond it is refused with
+    # RESOURCE_EXHAUSTED. 0 = no bound (peers are then identified only for an allow-list).
+    max_sessions_per_peer: int = 256
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here only
@@ -137,6 +143,13 @@ class StoragedConfig:
         if isinstance(fence, bool) or not isinstance(fence, (int, float)) or not 0.01 <= fence <= 3600:
             raise ConfigError("fence_timeout_seconds", fence, "expected seconds between 0.01 and 3600")
         set_(self, "fence_timeout_seconds", float(fence))
+        idle = self.session_idle_seconds
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0.1 <= idle <= 86400:
+            raise ConfigError("session_idle_seconds", idle, "expected seconds between 0.1 and 86400")
+        set_(self, "session_idle_seconds", float(idle))
+        bound = self.max_sessions_per_peer
+        if isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= 1_000_000:
+            raise ConfigError("max_sessions_per_peer", bound, "expected an integer between 0 (no bound) and 1000000")
         set_(self, "metrics_address", self._checked_metrics_address())
         for field in ("allowed_uids", "allowed_gids"):
             set_(self, field, self._checked_ids(field))
@@ -178,6 +191,12 @@ class StoragedConfig:
     @property
     def peer_checks_enabled(self) -> bool:
         return self.allowed_uids is not None or self.allowed_gids is not None
+
+    @property
+    def identifies_peers(self) -> bool:
+        """Whether each connection's peer credentials must be known: for an allow-list, or to count
+        sessions per peer."""
+        return self.peer_checks_enabled or self.max_sessions_per_peer > 0
 
     @property
     def metrics_enabled(self) -> bool:

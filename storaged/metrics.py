@@ -83,6 +83,13 @@ class StoragedMetrics:
         self.prefetch_wasted = Counter(p + "prefetch_wasted_total",
                                        "Prefetched experts evicted without being acquired", registry=r)
         self.sessions = Gauge(p + "sessions", "Attached client sessions", registry=r)
+        self.sessions_idle_closed = Counter(
+            p + "sessions_idle_closed_total",
+            "Sessions closed after session_idle_seconds without an Acquire stream or data plane connection",
+            registry=r)
+        self.sessions_refused = Counter(p + "sessions_refused_total",
+                                        "Attach calls refused because the peer held max_sessions_per_peer sessions",
+                                        registry=r)
         self.demotions = Counter(p + "demotions_total", "VRAM victims copied down to the host tier",
                                  registry=r)
         self.d2h_bytes = Counter(p + "d2h_bytes_total", "Bytes copied device to host (demotions)", registry=r)

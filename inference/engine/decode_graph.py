@@ -71,11 +71,7 @@ class StaticDecoder:
         self.capture = capture
         self.device = model.get_input_embeddings().weight.device
         self.bindings = _bindings(model)
-        slot_map, rows, arena, stride, fence = source.device_lookup()
-        self.fence = fence
         self.misses = torch.zeros(1, dtype=torch.int32, device=self.device)  # absent experts in the step
-        self._lookups = {layer: DeviceLookup(slot_map[rows[layer]], arena, stride, self.misses)
-                         for layer in self.bindings}
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # the step's token
         self.positions = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # and its position
@@ -90,6 +86,9 @@ class StaticDecoder:
         # acquire path: when the cache holds less than the working set, almost every step misses,
         # and replaying the graph first would only add its time to each step.
         self._skip = self._backoff = 0
+        self.fence = None
+        self._lookups: dict[int, DeviceLookup] = {}
+        self._follow_source()
 
     @classmethod
     def create(cls, model: torch.nn.Module, source, *, max_len: int, cache_keyword: str,
@@ -101,6 +100,24 @@ class StaticDecoder:
             return None
         return cls(model, source, max_len, cache_keyword=cache_keyword,
                    capture=device.type == "cuda" if capture is None else capture)
+
+    def _follow_source(self) -> None:
+        """Read the source's slot map, arena and fence again when its session changed (a reconnect
+        after storaged restarted: a new arena mapping, a new fence): the old ones are unmapped, and
+        a graph captured on them is dropped, to be captured again."""
+        lookup = self.source.device_lookup()
+        fence = lookup[4] if lookup is not None else None
+        if fence is self.fence and self.fence is not None:
+            return
+        self._graph = self._graph_logits = None
+        if lookup is None:  # a session without a slot map on this device: acquire path only
+            self.fence, self._lookups, self.lookup_enabled = None, {}, False
+            return
+        slot_map, rows, arena, stride, fence = lookup
+        self.fence = fence
+        self._lookups = {layer: DeviceLookup(slot_map[rows[layer]], arena, stride, self.misses)
+                         for layer in self.bindings}
+        self.lookup_enabled = True  # a new session's fence is not revoked
 
     # --- the model call -------------------------------------------------------------------------
 
@@ -126,7 +143,8 @@ class StaticDecoder:
 
     def start(self, prompt_ids: list[int]) -> torch.Tensor:
         """Reset the cache and prefill it (acquire path); logits [V] of the last prompt token."""
-        if self.capture and self._graph is None:
+        self._follow_source()
+        if self.capture and self._graph is None and self.lookup_enabled:
             self._capture()
         self.cache.reset()
         self._skip = self._backoff = 0

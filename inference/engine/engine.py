@@ -11,7 +11,9 @@ flight fails with ExpertSourceUnavailableError, the engine asks the source to re
 until a reconnect succeeds every request is first preceded by another reconnect attempt. An
 expert object that fails its integrity check (ExpertDataLossError) or a cache with no room for a
 step's experts (ExpertCapacityExhaustedError) fails only the request at hand: the source is not
-marked unavailable.
+marked unavailable. A
+connection found lost before a request starts (storaged restarted while idle) is reconnected
+first, so that request runs rather than fails; /health reports it (503) and has it reconnected.
 """
 
 from __future__ import annotations
@@ -183,6 +185,10 @@ class Engine:
         if self._unavailable_reason is not None:
             self._request_reconnect()  # so that health recovers without waiting for a request
             return Health(False, f"expert source unavailable: {self._unavailable_reason}")
+        lost = source_hooks.connection_problem(self.expert_source)
+        if lost is not None:
+            self._request_reconnect()
+            return Health(False, f"expert source connection lost, reconnecting: {lost}")
         if not await asyncio.to_thread(source_hooks.probe_available, self.expert_source):
             return Health(False, "expert source unreachable")
         return Health(True, "ok")
@@ -257,7 +263,7 @@ class Engine:
             try:
                 if item is _RECONNECT:
                     self._reconnect_pending.clear()
-                    if self._unavailable_reason is not None:
+                    if self._unavailable_reason is not None or self._connection_lost():
                         self._try_reconnect()
                     continue
                 self._dequeued()
@@ -288,6 +294,15 @@ class Engine:
         self.metrics.e2e_latency.observe(time.monotonic() - job.submitted_at)
         if error is not None:
             job.sink(error)
+
+    def _connection_lost(self) -> bool:
+        """Whether the source's connection is gone (then it is the reason until a reconnect)."""
+        lost = source_hooks.connection_problem(self.expert_source)
+        if lost is None:
+            return False
+        log.info("expert source connection lost: %s; reconnecting", lost)
+        self._unavailable_reason = lost
+        return True
 
     def _try_reconnect(self) -> bool:
         try:
@@ -327,7 +342,7 @@ class Engine:
         if job.timed_out():
             self._end_unstarted(job, FINISH_TIMEOUT, RequestTimeoutError(job.request_id, job.timeout, waiting=True))
             return
-        if self._unavailable_reason is not None and not self._try_reconnect():
+        if (self._unavailable_reason is not None or self._connection_lost()) and not self._try_reconnect():
             self._end_unstarted(job, FINISH_ERROR, self._unavailable_error(job, self._unavailable_reason, None))
             return
         job.started_at = time.monotonic()

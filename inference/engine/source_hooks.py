@@ -9,6 +9,9 @@ backed by a daemon (storaged) may also offer:
   same unavailable error while the daemon is still down. Called on the engine's worker thread.
 - `is_available() -> bool`: a cheap reachability probe for /health; called from another thread
   than the worker's, so it must be thread-safe.
+- `connection_problem() -> str | None`: why the source's connection is gone (e.g. the daemon
+  restarted while idle), or None while it is there; local and instant (no request), thread-safe.
+  Checked by /health and before each request: a lost connection is reconnected first.
 - `unavailable_errors: tuple[type[BaseException], ...]`: exception types that mean "the source
   is down or restarting" (storaged.client.errors.Unavailable is always recognized).
 - `data_loss_errors`, `capacity_errors`: exception types that mean "an expert object failed its
@@ -90,6 +93,11 @@ def reconnect(source) -> None:
     hook = getattr(source, "reconnect", None)
     if callable(hook):
         hook()
+
+
+def connection_problem(source) -> str | None:
+    hook = getattr(source, "connection_problem", None)
+    return hook() if callable(hook) else None
 
 
 def probe_available(source) -> bool:

@@ -108,7 +108,7 @@ def manifest_mismatch(bundle: Bundle, served_path: str) -> str | None:
 
 class StoragedExpertSource:
     """An ExpertSource backed by storaged, with the engine's optional hooks (see
-    inference.engine.source_hooks): expert_wait_seconds, is_available, reconnect.
+    inference.engine.source_hooks): expert_wait_seconds, is_available, connection_problem, reconnect.
 
     `connect_timeout`: seconds to wait for the daemon to report SERVING first (0: fail at once when
     it is not up). Raises storaged.client errors (Unavailable, NotFound...) or
@@ -197,6 +197,19 @@ class StoragedExpertSource:
         self._sync_device()
         self._disconnect()
         self._connect(wait_seconds=0.0)
+
+    def connection_problem(self) -> str | None:
+        """Why this source cannot serve from its current session, or None while the session's
+        connection is open (thread-safe, instant: nothing is sent). A lost connection (the daemon
+        stopped or restarted, even while idle) is the engine's cue to reconnect before a request."""
+        with self._state_lock:
+            session = self._session
+        if session is None:
+            return f"no session with storaged at {self.socket_path} (the last reconnect failed)"
+        lost = session.connection_lost()
+        if lost is not None:
+            return f"storaged at {self.socket_path}: {lost} (it stopped or restarted)"
+        return None
 
     def is_available(self) -> bool:
         """Whether the daemon answers its health check as SERVING (thread-safe; at most probe_timeout)."""

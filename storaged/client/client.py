@@ -69,6 +69,10 @@ class _AcquireStream:
         self._requests.put(_END)
         self._replies.cancel()  # type: ignore[attr-defined]
 
+    def ended(self) -> bool:
+        """Whether the RPC is over (the server ended it, or its connection dropped)."""
+        return self._replies.done()  # type: ignore[attr-defined]
+
 
 class Session:
     """A model attached in the daemon: the mapped arena, the slot layout, and the channel its
@@ -129,6 +133,19 @@ class Session:
         first = view.offset_bytes // 4
         entries = len(view.layers) * view.experts_per_row
         return self.arena.slot_map()[first:first + entries].view(len(view.layers), view.experts_per_row)
+
+    def connection_lost(self) -> str | None:
+        """Why this session's channel (its data plane connection, else its Acquire stream) is gone,
+        or None while it is open. Local: nothing is sent, so it is cheap and safe from any thread.
+        A lost channel means the daemon stopped, restarted or ended the session: attach again."""
+        if self._closed:
+            return f"session {self.id} was closed"
+        plane, stream = self._plane, self._stream
+        if plane is not None and plane.peer_closed():
+            return f"the daemon closed the data plane connection of session {self.id}"
+        if stream is not None and stream.ended():
+            return f"the Acquire stream of session {self.id} ended"
+        return None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import numbers
+import os
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -142,6 +143,21 @@ class DataPlaneClient:
         except struct.error:
             raise _out_of_range("Release", layer, ()) from None
         self._call(Kind.RELEASE, body, Kind.RELEASE_OK, "Release")
+
+    def peer_closed(self) -> bool:
+        """Whether the daemon has closed this connection (it stopped, restarted, or ended the
+        session); a poll that sends and reads nothing, so it may run while a request is waited for."""
+        if self._closed:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(self._sock, select.POLLRDHUP)  # POLLHUP, POLLERR and POLLNVAL are always reported
+            ready = poller.poll(0)
+        except (ValueError, OSError):  # closed by another thread meanwhile (its fileno is -1 now)
+            return True
+        # Unread replies (prefetch hints') only make it readable (POLLIN): not a sign of its end.
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, events in ready)
 
     def close(self) -> None:
         """Close the connection: the daemon releases the session's pins and ends it."""

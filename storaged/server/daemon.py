@@ -3,10 +3,10 @@
 Start-up (storaged.cli validated the config and opened the bundles already): socket path
 checked → arena, staging, host tier, reader → (CPU arena) the process made non-dumpable → the
 data plane on `<socket>.data` → gRPC on the
-Unix socket (directly, or behind the peer-credential gate when allowed_uids/allowed_gids are
-set) → health SERVING → READY=1 to
-systemd, then WATCHDOG=1 pings when the unit sets WatchdogSec. Until the socket listens, clients
-get UNAVAILABLE from their channel; while stopping, from the servicer. Shutdown: STOPPING=1,
+Unix socket (directly, or behind the peer-credential gate when peers are identified: an
+allow-list, or max_sessions_per_peer) → health SERVING → READY=1 to systemd, then WATCHDOG=1
+pings when the unit sets WatchdogSec, and idle sessions are closed (sessions.py). Until the
+socket listens, clients get UNAVAILABLE from their channel; while stopping, from the servicer. Shutdown: STOPPING=1,
 health NOT_SERVING, refuse new work, end idle Acquire streams, let in-flight RPCs finish within
 shutdown_grace_seconds, drain loads, free everything, remove the socket, exit 0.
 """
@@ -38,6 +38,7 @@ from servicekit.notify import Notifier, NotifyEnvironmentError
 from storaged.server.dataplane import DataPlaneServer
 from storaged.server.malformed import MalformedRequestInterceptor
 from storaged.server.peer_access import AccessPolicy, PeerGate, PrivateListenerError
+from storaged.server.engine import StorageEngine
 from storaged.server.runtime import Runtime, StartupError, build_runtime
 from storaged.server.servicer import ExpertStorageServicer
 from storaged.server.sessions import SessionRegistry
@@ -51,6 +52,7 @@ SOCKET_DIR_MODE = 0o750  # a directory it creates for the socket: the socket's g
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStorage"].full_name
 STATUS_INTERVAL_SECONDS = 10.0  # how often `systemctl status` gets a fresh STATUS= line
+IDLE_CHECK_SECONDS = 1.0  # idle sessions are looked for at least this often (more for short idle times)
 
 log = logging.getLogger("storaged")
 
@@ -124,10 +126,10 @@ async def _sync_metrics_forever(sync: MetricsSync, notifier: Notifier, status) -
 
 
 def _listen(server: grpc.aio.Server, config: StoragedConfig) -> PeerGate | None:
-    """Bind gRPC to the public socket, or to the gate's private listener when peers are checked."""
-    policy = AccessPolicy.from_config(config)
+    """Bind gRPC to the public socket, or to the gate's private listener when peers are identified."""
     try:
-        gate = PeerGate(config.socket, policy, socket_mode=SOCKET_MODE) if policy is not None else None
+        gate = (PeerGate(config.socket, AccessPolicy.from_config(config), socket_mode=SOCKET_MODE)
+                if config.identifies_peers else None)
     except PrivateListenerError as exc:
         raise StartupError(str(exc)) from None
     try:
@@ -139,17 +141,40 @@ def _listen(server: grpc.aio.Server, config: StoragedConfig) -> PeerGate | None:
     return gate
 
 
+def _gate_description(gate: PeerGate | None) -> str:
+    if gate is None:
+        return ""
+    return f"; admitting peers by {gate.policy}" if gate.policy is not None else "; identifying peers by uid"
+
+
+async def _close_idle_sessions_forever(sessions: SessionRegistry, engine: StorageEngine) -> None:
+    """Ends sessions left without a stream or data plane connection for session_idle_seconds."""
+    interval = min(IDLE_CHECK_SECONDS, max(sessions.idle_seconds / 4, 0.02))
+    loop = asyncio.get_running_loop()
+    unlogged, log_after = 0, loop.time()
+    while True:
+        await asyncio.sleep(interval)
+        closed = sessions.close_idle()
+        for session in closed:
+            engine.close_session(session)  # as when a stream ends: its pins, if any, are released
+        engine.metrics.sessions_idle_closed.inc(len(closed))
+        unlogged += len(closed)
+        if unlogged and loop.time() >= log_after:  # one line per STATUS_INTERVAL_SECONDS at most
+            log.info("closed %d session(s) idle for %g s without an Acquire stream or data plane connection",
+                     unlogged, sessions.idle_seconds)
+            unlogged, log_after = 0, loop.time() + STATUS_INTERVAL_SECONDS
+
+
 async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime: Runtime,
                  stop: asyncio.Event, notifier: Notifier) -> int:
-    sessions = SessionRegistry()
+    sessions = SessionRegistry(idle_seconds=config.session_idle_seconds,
+                               max_per_owner=config.max_sessions_per_peer or None)
     sync = MetricsSync(runtime.engine, sessions)
-    servicer = ExpertStorageServicer(config, models, runtime, sessions, sync)
     data_plane = DataPlaneServer(Path(wire.socket_path_for(str(config.socket))), runtime.engine, sessions,
                                  runtime.fences, AccessPolicy.from_config(config))
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()])
-    pb_grpc.add_ExpertStorageServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -158,6 +183,8 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
     background: list[asyncio.Task] = []
     data_plane_started = False
     try:
+        servicer = ExpertStorageServicer(config, models, runtime, sessions, sync, peers=gate)
+        pb_grpc.add_ExpertStorageServicer_to_server(servicer, server)
         prepare_socket_path(data_plane.path)
         try:
             await data_plane.start()
@@ -177,7 +204,9 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
         notifier.ready(status())
         background.append(asyncio.create_task(_sync_metrics_forever(sync, notifier, status), name="metrics sync"))
         background.append(asyncio.create_task(notifier.watchdog_forever(), name="watchdog"))
-        log.info("%s%s", status(), f"; admitting peers by {gate.policy}" if gate else "")
+        background.append(asyncio.create_task(_close_idle_sessions_forever(sessions, runtime.engine),
+                                              name="idle sessions"))
+        log.info("%s%s", status(), _gate_description(gate))
         await stop.wait()
         log.info("stopping: draining for up to %.1f s", config.shutdown_grace_seconds)
         notifier.stopping(f"draining for up to {config.shutdown_grace_seconds:g} s")

@@ -12,9 +12,15 @@ gRPC listeners in a private 0700 directory next to the socket:
                                                  └─refused───▶ .storaged-XXXX/refused.sock  (PERMISSION_DENIED)
 
 so a refused client gets a proper PERMISSION_DENIED status on every call, and an admitted one
-talks to the real server unchanged. The splice costs one extra hop per message in each
-direction, which is why it only exists when an allow-list is set; without one, gRPC listens
-on the public socket directly and the socket's mode and group are the access control.
+talks to the real server unchanged. The same gate tells the servicer who each call comes from:
+every upstream connection is bound to a name of its own in the private directory (unlinked once
+connected), which gRPC reports as the call's peer (`context.peer()`), and `peer_of` maps that
+name back to the credentials (used to bound sessions per uid, max_sessions_per_peer).
+
+The splice costs one extra hop per message in each direction (the data plane, which carries the
+per-layer traffic, does not cross it), which is why it only exists when peers must be identified
+(an allow-list, or max_sessions_per_peer > 0); otherwise gRPC listens on the public socket
+directly and the socket's mode and group are the access control.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ LISTEN_BACKLOG = 128
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 _PRIVATE_DIR_PREFIX = ".storaged-"
 _LONGEST_PRIVATE_SUFFIX = len(f"/{_PRIVATE_DIR_PREFIX}XXXXXXXX/admitted.sock")  # mkdtemp adds 8 characters
+_UPSTREAM_NAMES = 16**12  # "c" + 12 hex digits: never longer than "admitted.sock"
 REFUSAL = "access denied: this client's uid and groups are not in storaged's allowed_uids/allowed_gids"
 
 
@@ -171,6 +178,7 @@ class _ClientEnd(_Splice):
     def __init__(self, gate: PeerGate):
         super().__init__()
         self.gate = gate
+        self.upstream_name: str | None = None  # the gRPC peer string of its upstream connection
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -179,6 +187,7 @@ class _ClientEnd(_Splice):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gate._pairs.discard(self)
+        self.gate._peers.pop(self.upstream_name, None)
         super().connection_lost(exc)
 
 
@@ -195,13 +204,14 @@ def _refuse_everything() -> grpc.GenericRpcHandler:
 
 
 class PeerGate:
-    """The public socket's listener when an allow-list is set (see the module docstring).
+    """The public socket's listener when peers are identified (see the module docstring).
 
     Construct before the gRPC server starts (it picks the private listener paths), add
-    `admitted_address` to the server, start the server, then `await start()`.
+    `admitted_address` to the server, start the server, then `await start()`. `policy` None
+    admits every peer (the gate then only identifies them).
     """
 
-    def __init__(self, public_path: Path, policy: AccessPolicy, *, socket_mode: int):
+    def __init__(self, public_path: Path, policy: AccessPolicy | None, *, socket_mode: int):
         self.public_path = public_path
         self.policy = policy
         self.socket_mode = socket_mode
@@ -221,6 +231,13 @@ class PeerGate:
         self._listener: asyncio.AbstractServer | None = None
         self._pairs: set[_Splice] = set()
         self._connects: set[asyncio.Task] = set()
+        self._peers: dict[str, PeerCredentials] = {}  # gRPC peer string of an upstream → its client
+        self._next_name = 0
+
+    def peer_of(self, grpc_peer: str) -> PeerCredentials | None:
+        """The credentials of the client whose call gRPC reports as coming from `grpc_peer`
+        (`context.peer()`); None when that connection is gone or not ours."""
+        return self._peers.get(grpc_peer)
 
     @property
     def admitted_address(self) -> str:
@@ -258,13 +275,13 @@ class PeerGate:
             log.warning("closing a connection without peer credentials: %s", exc)
             transport.close()
             return
-        admitted = self.policy.admits(peer)
+        admitted = self.policy is None or self.policy.admits(peer)
         if not admitted:
             log.warning("refusing %s: not in %s", peer, self.policy)
         upstream = _Splice(partner=client)
         try:
-            await asyncio.get_running_loop().create_unix_connection(
-                lambda: upstream, os.fspath(self.admitted_path if admitted else self.refused_path))
+            name, sock = await self._connect_named(self.admitted_path if admitted else self.refused_path)
+            await asyncio.get_running_loop().create_unix_connection(lambda: upstream, sock=sock)
         except OSError as exc:
             log.warning("closing the connection of %s: cannot reach the private listener: %s", peer, exc)
             transport.close()
@@ -273,8 +290,28 @@ class PeerGate:
         if transport.is_closing():  # the client hung up while we connected
             upstream.close_pair()
         else:
+            client.upstream_name = f"unix:{name}"  # how gRPC names the peer of this connection's calls
+            self._peers[client.upstream_name] = peer
             self._pairs.add(client)
             transport.resume_reading()
+
+    async def _connect_named(self, target: Path) -> tuple[str, socket.socket]:
+        """A socket connected to `target` from a name of its own in the private directory (unlinked
+        once connected: the kernel keeps the address, which the server side sees as the peer)."""
+        self._next_name = (self._next_name + 1) % _UPSTREAM_NAMES
+        name = os.fspath(self.private_dir / f"c{self._next_name:x}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            sock.bind(name)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, os.fspath(target))
+            finally:
+                os.unlink(name)
+        except BaseException:
+            sock.close()
+            raise
+        return name, sock
 
     def stop_accepting(self) -> None:
         """Close the public listener (connections already spliced carry on)."""

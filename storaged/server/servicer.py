@@ -3,7 +3,8 @@
 Pins follow the Acquire stream: when the stream ends, however it ends, the session's pins are
 released. When the client ends it (half-close, cancellation, or its process died, which the
 server sees as the same end of input), the session is closed too. When the server ends it with
-an error status, the session survives and the client may open a new stream for it.
+an error status, the session survives and the client may open a new stream for it, within
+session_idle_seconds like any session without a stream (sessions.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from storaged.server import convert
 from storaged.server.engine import LoadError, ObjectDataLoss, StorageEngine
 from storaged.server.models import ServedModel
 from storaged.server.runtime import Runtime
-from storaged.server.sessions import Session, SessionBusy, SessionNotFound, SessionRegistry
+from storaged.server.peer_access import PeerGate
+from storaged.server.sessions import Session, SessionBusy, SessionNotFound, SessionRegistry, TooManySessions
 from storaged.server.stats import MetricsSync, stats_response
 from storaged.server.status import REQUEST_ERRORS
 from storaged.server.status import status_of as request_status_of
@@ -73,8 +75,10 @@ def info_response(config: StoragedConfig, models: Mapping[str, ServedModel],
 
 class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
     def __init__(self, config: StoragedConfig, models: Mapping[str, ServedModel], runtime: Runtime,
-                 sessions: SessionRegistry, sync: MetricsSync):
+                 sessions: SessionRegistry, sync: MetricsSync, *, peers: PeerGate | None = None):
+        """`peers`: the gate that knows each connection's credentials, when peers are identified."""
         self.models = dict(models)
+        self.peers = peers
         self.runtime = runtime
         self.engine: StorageEngine = runtime.engine
         self.sessions = sessions
@@ -102,6 +106,15 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         if self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
 
+    async def _owner(self, context) -> int | None:
+        """The uid of the call's peer, when peers are identified (else None)."""
+        if self.peers is None:
+            return None
+        peer = self.peers.peer_of(context.peer())
+        if peer is None:  # the client's connection closed while this call was queued
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this call's connection is gone")
+        return peer.uid
+
     # ---- unary ------------------------------------------------------------------------------
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
@@ -113,8 +126,13 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         if model is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {shown(request.model)} is not served "
                                 f"(served: {', '.join(sorted(self.models))})")
+        owner = await self._owner(context)
         descriptor = self.runtime.arena.descriptor()  # CUDA: a fresh IPC export for this client
-        session = self.sessions.open(model)
+        try:
+            session = self.sessions.open(model, owner)
+        except TooManySessions as exc:
+            self.engine.metrics.sessions_refused.inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         geometry = self.runtime.geometry
         return pb.AttachResponse(session_id=session.id, arena=convert.arena_descriptor(descriptor),
                                  slot_bytes=geometry.slot_bytes, slot_count=geometry.slot_count,
@@ -142,9 +160,11 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         return stats_response(self.sync)
 
     async def Detach(self, request: pb.DetachRequest, context) -> pb.DetachResponse:
-        session = self.sessions.close(request.session_id)
-        if session is None:
-            await self._abort(context, SessionNotFound(request.session_id))
+        try:
+            session = self.sessions.get(request.session_id)  # its error says why an id is unknown
+        except SessionNotFound as exc:
+            await self._abort(context, exc)
+        self.sessions.close(session.id)
         self.engine.close_session(session)
         return pb.DetachResponse()
 

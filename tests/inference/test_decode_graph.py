@@ -100,3 +100,28 @@ def test_why_not_names_the_reason(qwen_case, compute, source, reason):
             assert reason in why_not(loaded.model, loaded.expert_source, torch.device(DEVICE))
     finally:
         daemon.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["kill", "terminate"])
+def test_decoder_follows_a_reconnect_to_the_new_session(qwen_case, eager_tokens, stop):
+    """After storaged restarted and the source re-attached (a new arena mapping, a new fence),
+    the next request's steps read the new session's slot map, not the unmapped old one."""
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            source = loaded.expert_source
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=source, static_cache_len=64)
+            decoder = runner.decoder
+            assert _greedy(runner) == eager_tokens
+            old_fence, lookups = decoder.fence, decoder.lookup_steps
+            getattr(daemon, stop)()
+            daemon.start()
+            source.reconnect()
+            assert _greedy(runner) == eager_tokens
+            assert decoder.fence is source._session.fence and decoder.fence is not old_fence
+            assert decoder.lookup_steps > lookups  # steps found experts through the new slot map
+            source.close()
+    finally:
+        daemon.stop()

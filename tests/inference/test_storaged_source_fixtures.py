@@ -137,6 +137,12 @@ class StoragedDaemon:
         self.process.wait(30)
         self.log.close()
 
+    def terminate(self) -> None:
+        """SIGTERM (a clean shutdown: the daemon removes its socket and arena); start() may follow."""
+        self.process.terminate()
+        self.process.wait(60)
+        self.log.close()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

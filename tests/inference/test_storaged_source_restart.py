@@ -1,8 +1,11 @@
-"""storaged killed with SIGKILL and restarted on the same socket, under StoragedExpertSource and the engine."""
+"""storaged stopped (SIGKILL, SIGTERM) and restarted on the same socket, under StoragedExpertSource and the engine."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
+import time
 
 import pytest
 import torch
@@ -98,5 +101,46 @@ def test_engine_fails_the_request_in_flight_with_503_cause_and_recovers_after_re
     finally:
         engine.close()
         loaded.expert_source.close()
+        loaded.close()
+        daemon.stop()
+
+
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+def test_idle_restart_is_reported_by_health_and_the_next_request_reattaches(qwen_case, expected, stop):
+    """storaged stopped (SIGTERM or SIGKILL) and restarted while nothing runs: /health says so and
+    reconnects, and a request arriving after the restart re-attaches first instead of failing."""
+    daemon = StoragedDaemon({"qwen": qwen_case.bundle})
+    loaded = load_model(qwen_case.bundle, device="cpu", dtype=torch.float32,
+                        expert_source=lambda bundle, device: StoragedExpertSource(str(daemon.socket), "qwen",
+                                                                                  bundle, device))
+    source = loaded.expert_source
+    engine = Engine.from_loaded(loaded)
+    try:
+        assert engine_text(engine) == expected[1]
+        assert asyncio.run(engine.health()).ok
+        first_session = source._session.id
+        getattr(daemon, stop)()
+        assert source.connection_problem() is not None  # seen at once, without sending anything
+        health = asyncio.run(engine.health())
+        assert not health.ok and "connection lost" in health.reason and str(daemon.socket) in health.reason
+        daemon.start()
+        # /health had a reconnect queued: it reports ok once the worker re-attached.
+        deadline = time.monotonic() + 60
+        while not (health := asyncio.run(engine.health())).ok:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+        assert source._session.id != first_session and source.connection_problem() is None
+        assert engine_text(engine) == expected[1]
+        # Again, with no /health in between: the request itself re-attaches, then runs.
+        second_session = source._session.id
+        getattr(daemon, stop)()
+        daemon.start()
+        assert engine_text(engine) == expected[1]
+        assert source._session.id != second_session
+        assert engine.metrics.expert_source_unavailable._value.get() == 0  # no request failed
+        assert daemon.stats().sessions == 1
+    finally:
+        engine.close()
+        source.close()
         loaded.close()
         daemon.stop()

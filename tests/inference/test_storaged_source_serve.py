@@ -94,3 +94,49 @@ def test_serve_with_storaged_answers_the_openai_client_like_the_local_pack(qwen_
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+@pytest.mark.slow
+def test_idle_restarts_of_storaged_first_request_after_health_succeeds(qwen_case):
+    """10 cycles: storaged stopped while the server is idle (SIGTERM and SIGKILL in turn) and
+    restarted on the same socket. /health answers 503 while it is down, then 200 once the server
+    re-attached; the first request after that succeeds with the fault-free run's tokens."""
+    daemon = StoragedDaemon({"demo-model": qwen_case.bundle})
+    server = StoragedServer(qwen_case.bundle, daemon.socket, "demo-model")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def answer() -> tuple[str, int, tuple]:
+        """The reply's text, its token count, and its tokens (each token's text and bytes)."""
+        reply = client.chat.completions.create(model=qwen_case.name, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                               temperature=0, logprobs=True)
+        choice = reply.choices[0]
+        tokens = tuple((t.token, tuple(t.bytes)) for t in choice.logprobs.content)
+        return choice.message.content, reply.usage.completion_tokens, tokens
+
+    try:
+        fault_free = answer()
+        assert fault_free[:2] == (local_answer(qwen_case.bundle), MAX_TOKENS) and len(fault_free[2]) == MAX_TOKENS
+        outcomes = []
+        for cycle in range(10):
+            if cycle % 2:
+                daemon.kill()
+            else:
+                daemon.terminate()
+            status, body = get(server.base_url + "/health")
+            assert status == 503 and "connection lost" in body["reason"], body  # seen at once, while idle
+            daemon.start()
+            deadline = time.monotonic() + 60
+            while (health := get(server.base_url + "/health"))[0] != 200:
+                assert time.monotonic() < deadline, health
+                time.sleep(0.05)
+            outcomes.append(answer())  # raises on a 503: the first request after /health 200
+        assert outcomes == [fault_free] * 10
+        metrics = metric_values(get(server.base_url + "/metrics")[1])
+        assert metric(metrics, "expertpack_inference_expert_source_unavailable_total") == 0
+        assert daemon.stats().sessions == 1
+        assert server.stop() == 0, "".join(server.lines)
+    finally:
+        client.close()
+        if server.process.poll() is None:
+            server.process.kill()
+        daemon.stop()

@@ -152,6 +152,50 @@ def test_root_refused_when_not_listed(as_root, disk_dir, bundle, tmp_path):
     assert exit_code == 0, daemon.stderr()
 
 
+# Three Attach calls on one connection; prints each status code name and the last refusal's message.
+ATTACH_THRICE = r"""
+import sys, grpc
+from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb, storage_pb2_grpc as pb_grpc
+codes, details = [], ""
+with grpc.insecure_channel("unix:" + sys.argv[1]) as channel:
+    for _ in range(3):
+        try:
+            pb_grpc.ExpertStorageStub(channel).Attach(pb.AttachRequest(model="tiny"), timeout=10)
+            codes.append("OK")
+        except grpc.RpcError as error:
+            codes.append(error.code().name)
+            details = error.details()
+print(" ".join(codes))
+print(details)
+"""
+
+
+def test_sessions_are_bounded_per_uid(as_root, disk_dir, bundle):
+    """max_sessions_per_peer counts each uid's sessions on its own, with no allow-list set."""
+    run = disk_dir / "per-uid"
+    run.mkdir(mode=0o755)
+    daemon = start_daemon(run, {"tiny": bundle.path}, max_sessions_per_peer=2)
+    try:
+        os.chmod(daemon.socket, 0o666)
+        outputs = {}
+        for name, setpriv_args in (("root", []), ("nobody", [f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                                                               "--clear-groups"])):
+            result = subprocess.run([*_as_user(*setpriv_args), PYTHON, "-c", ATTACH_THRICE, str(daemon.socket)],
+                                    cwd=REPO, env=daemon_env(), capture_output=True, text=True, timeout=60)
+            assert result.returncode == 0, result.stderr
+            outputs[name] = result.stdout.splitlines()
+        # Each client exited without a stream: its sessions stay (until the idle time) and count.
+        assert outputs["root"] == ["OK OK RESOURCE_EXHAUSTED", "peer uid 0 already holds 2 sessions, the most "
+                                   "max_sessions_per_peer (2) allows; end unused sessions (Detach, or close their "
+                                   "Acquire stream or data plane connection) or raise max_sessions_per_peer"]
+        assert outputs["nobody"][0] == "OK OK RESOURCE_EXHAUSTED"
+        assert f"peer uid {NOBODY} already holds 2 sessions" in outputs["nobody"][1]
+        with StorageClient(str(daemon.socket)) as client:
+            assert client.stats().sessions == 4
+    finally:
+        assert daemon.stop() == 0, daemon.stderr()
+
+
 def test_gate_relays_large_transfers_and_half_close(tmp_path):
     """The splice itself, against a plain echo server on the admitted socket: 32 MiB each way
     (so back-pressure engages), then the client's half-close reaches the server and back."""

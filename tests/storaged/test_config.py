@@ -73,6 +73,42 @@ def test_config_is_frozen(tmp_path):
         config.device = "cuda:0"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("field, value", [
+    ("session_idle_seconds", 0), ("session_idle_seconds", 0.05), ("session_idle_seconds", -1),
+    ("session_idle_seconds", 86401), ("session_idle_seconds", "60"), ("session_idle_seconds", True),
+    ("max_sessions_per_peer", -1), ("max_sessions_per_peer", 2.5), ("max_sessions_per_peer", "256"),
+    ("max_sessions_per_peer", True), ("max_sessions_per_peer", 1_000_001),
+])
+def test_session_bounds_refused(tmp_path, field, value):
+    with pytest.raises(ConfigError) as info:
+        StoragedConfig(models={"m": tmp_path}, vram_cache_bytes=1, **{field: value})
+    assert info.value.field == field and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("fields, idle, bound, identifies", [
+    ({}, 60.0, 256, True),  # bounded by default: peers are identified
+    ({"max_sessions_per_peer": 0}, 60.0, 0, False),  # no bound and no allow-list: nothing to identify
+    ({"max_sessions_per_peer": 0, "allowed_uids": [0]}, 60.0, 0, True),
+    ({"session_idle_seconds": 0.1, "max_sessions_per_peer": 1}, 0.1, 1, True),
+    ({"session_idle_seconds": 86400}, 86400.0, 256, True),
+])
+def test_session_bounds(tmp_path, fields, idle, bound, identifies):
+    config = StoragedConfig(models={"m": tmp_path}, vram_cache_bytes=1, **fields)
+    assert (config.session_idle_seconds, config.max_sessions_per_peer, config.identifies_peers) == (
+        idle, bound, identifies)
+    assert isinstance(config.session_idle_seconds, float)
+
+
+def test_session_bounds_from_toml_and_flags(tmp_path):
+    toml = _write(tmp_path / "s.toml", "vram_cache_bytes = 1\nsession_idle_seconds = 30\n"
+                  "max_sessions_per_peer = 8\n[models]\nm = '/x'\n")
+    assert (load_config(toml).session_idle_seconds, load_config(toml).max_sessions_per_peer) == (30.0, 8)
+    args = build_parser().parse_args(["--config", str(toml), "--session-idle-seconds", "2.5",
+                                      "--max-sessions-per-peer", "0"])
+    config = config_from_args(args)
+    assert (config.session_idle_seconds, config.max_sessions_per_peer) == (2.5, 0)
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

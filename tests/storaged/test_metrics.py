@@ -16,6 +16,7 @@ EXPECTED_FAMILIES = {
     "prefetch_issued_total", "prefetch_used_total", "prefetch_wasted_total", "sessions", "demotions_total",
     "d2h_bytes_total", "fence_waits_total", "fence_wait_seconds_total", "fence_revocations_total",
     "dataplane_requests_total", "hits_verified_total", "hit_mismatches_total",
+    "sessions_idle_closed_total", "sessions_refused_total",
 }
 
 

@@ -203,6 +203,37 @@ def test_closing_the_connection_ends_the_session_and_its_pins(client):
         DataPlaneClient(wire.socket_path_for(client.socket_path), session.id)
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["terminate", "kill"])
+def test_a_stopped_daemon_shows_as_a_lost_connection_without_a_request(disk_dir, stop):
+    """Session.connection_lost() sees the daemon's end on the session's own channel (the data plane
+    connection, else the Acquire stream) while the session is idle, and sends nothing to see it."""
+    directory = disk_dir / f"lost-{stop.name}"
+    directory.mkdir()
+    write_bundle(directory / "bundle")
+    daemon = start_daemon(directory, {"tiny": directory / "bundle"}, vram_cache_bytes=SLOTS * SLOT_BYTES)
+    try:
+        with StorageClient(str(daemon.socket)) as client:
+            plane = client.attach("tiny")
+            stream = client.attach("tiny", data_plane=False)
+            plane.acquire(1, [0])
+            plane.prefetch(2, [1])  # its reply stays unread: readable is not closed
+            stream.acquire(1, [1])
+            assert plane._plane._sock.recv(1, socket.MSG_PEEK)  # blocks until the hint's reply is there
+            assert plane.connection_lost() is None and stream.connection_lost() is None
+            daemon.process.send_signal(stop)
+            daemon.process.wait(30)
+            assert "closed the data plane connection" in plane.connection_lost()
+            deadline = time.monotonic() + 30  # gRPC learns of the dropped transport on its own thread
+            while stream.connection_lost() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "Acquire stream" in stream.connection_lost()
+            for session in (plane, stream):
+                session.close()
+                assert "was closed" in session.connection_lost()
+    finally:
+        daemon.stop()
+
+
 def test_refused_peer_gets_permission_denied(disk_dir):
     directory = disk_dir / "refuse"
     directory.mkdir()
