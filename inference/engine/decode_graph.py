@@ -185,6 +185,9 @@ class StaticDecoder:
     def _lookup_step(self) -> torch.Tensor | None:
         from storaged.client.dataplane import FenceRevoked
 
+        finish = getattr(self.source, "finish_resident_step", None)
+        if callable(finish):  # a forward that failed midway may have left the source's resident step open
+            finish()
         try:
             self.fence.begin()
         except FenceRevoked:

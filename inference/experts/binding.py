@@ -96,7 +96,20 @@ def bind_experts(model: torch.nn.Module, source: ExpertSource, *, moe_layers: li
             binding.fused, _ = fused_plan(plan)
         setattr(module, BINDING_ATTRIBUTE, binding)
         bindings[layer] = binding
+    if fused_kernels and callable(getattr(source, "finish_resident_step", None)):
+        model.register_forward_hook(_finish_resident_step_hook(source))
     return bindings
+
+
+def _finish_resident_step_hook(source):
+    """A model forward hook ending the source's resident step (inference.experts.forward) once the
+    forward's device work completed: a synchronization the caller is about to make anyway (it
+    reads the logits). Not while a CUDA graph is being captured (nothing may synchronize then; a
+    captured step reads the slot map under the decoder's own fence)."""
+    def hook(module, args, output):
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            source.finish_resident_step()
+    return hook
 
 
 def select_expertpack(model) -> None:

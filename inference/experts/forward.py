@@ -10,7 +10,10 @@ chosen per call:
   is absent counts a miss and the caller runs the step again on the acquire path.
 - **fused** (CUDA, bfloat16/float16): group the pairs by expert (the one host sync, which also
   carries the next layer's predicted experts as a prefetch hint), acquire the distinct experts,
-  then compute from the slots in place (inference.experts.fused).
+  then compute from the slots in place (inference.experts.fused). Where the source offers a
+  resident lookup (storaged's slot map, read under the session's step fence), the same transfer
+  brings the experts' slots, and a layer whose experts are all resident skips the Acquire; the
+  model's forward hook (`finish_resident_steps`) ends the step once its work completed.
 - **exact** (CPU, float32 checks, or wherever the fused kernels cannot run): group the pairs by
   expert; acquire; dequantize each weight for all experts at once (LayerPlan.materialize); per
   expert, exactly the ops of transformers' eager forward, in its order (one expert at a time,
@@ -25,7 +28,7 @@ import torch
 
 from inference.experts.errors import ExpertSourceError, RoutingError, UnboundExpertsError
 from inference.experts.plan import LayerPlan, Which
-from inference.experts.source import ExpertSource, acquire_rows
+from inference.experts.source import ExpertSource, SlotRows, acquire_rows
 
 IMPLEMENTATION_NAME = "expertpack"
 BINDING_ATTRIBUTE = "expertpack_binding"
@@ -75,14 +78,21 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     sorted_experts, pair_order = torch.sort(pair_experts, stable=True)  # pairs grouped by expert
     unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     hint = binding.predict.predict(hidden_states) if binding.predict is not None else None
-    expert_ids, expert_counts, predicted = _to_host(unique, counts, hint)  # the one device -> host sync
     plan = binding.plan
+    resident = _resident_lookup(binding, unique, plan.target.num_experts)
+    # the one device -> host sync; with a resident lookup it also brings the experts' slots
+    expert_ids, expert_counts, predicted, slots = _to_host(unique, counts, hint,
+                                                           resident[1] if resident is not None else None)
     for expert in (expert_ids[0], expert_ids[-1]):
         if not 0 <= expert < plan.target.num_experts:
             raise RoutingError(binding.layer, expert, plan.target.num_experts)
     if predicted:
         binding.predict.send(predicted)
 
+    if resident is not None and min(slots) >= 0:  # every expert resident: no Acquire at all
+        rows = SlotRows(resident[0].arena, resident[0].stride, tuple(slots))
+        return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
+                              expert_ids, expert_counts, rows)
     groups = _groups(expert_ids, expert_counts, _capacity(binding.source))
     if binding.use_fused_kernels:
         if len(groups) == 1:
@@ -116,13 +126,33 @@ def _groups(ids: list[int], counts: list[int], capacity: int | None) -> list[tup
     return [(ids[i:i + capacity], counts[i:i + capacity]) for i in range(0, len(ids), capacity)]
 
 
-def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None
-             ) -> tuple[list[int], list[int], list[int]]:
-    """(distinct experts, their pair counts, the next layer's predicted-expert mask) in one transfer."""
-    parts = [unique, counts] if hint is None else [unique, counts, hint.to(unique.dtype)]
+def _resident_lookup(binding: ExpertsBinding, unique: torch.Tensor, num_experts: int):
+    """(ResidentLookup, int32 slots of `unique` on the device) when the fused path may compute this
+    layer from the slot map without an Acquire (the source opened its resident step), else None."""
+    if not binding.use_fused_kernels:
+        return None
+    lookup_of = getattr(binding.source, "resident_lookup", None)
+    lookup = lookup_of() if callable(lookup_of) else None
+    if lookup is None or binding.layer not in lookup.rows:
+        return None
+    # clamped: an out-of-range id is refused after the transfer, and must not fault the gather first
+    return lookup, lookup.rows[binding.layer][unique.clamp(0, num_experts - 1)]
+
+
+def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None, slots: torch.Tensor | None
+             ) -> tuple[list[int], list[int], list[int], list[int] | None]:
+    """(distinct experts, their pair counts, the next layer's predicted-expert mask, the slots of
+    the distinct experts) in one transfer."""
+    parts = [unique, counts]
+    if slots is not None:
+        parts.append(slots.to(unique.dtype))
+    if hint is not None:
+        parts.append(hint.to(unique.dtype))
     flat = torch.cat(parts).tolist()
     n = unique.numel()
-    return flat[:n], flat[n:2 * n], flat[2 * n:]
+    if slots is None:
+        return flat[:n], flat[n:2 * n], flat[2 * n:], None
+    return flat[:n], flat[n:2 * n], flat[3 * n:], flat[2 * n:3 * n]
 
 
 def exact_accumulate(module: torch.nn.Module, plan: LayerPlan, hidden_states: torch.Tensor,
@@ -157,10 +187,12 @@ def expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, we
 
 
 def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_order,
-                   unique, expert_ids, expert_counts) -> torch.Tensor:
+                   unique, expert_ids, expert_counts, rows: SlotRows | None = None) -> torch.Tensor:
+    """`rows`: the experts' slots when already known (resident lookup), else acquired here."""
     from inference.experts import fused as F
 
-    rows = acquire_rows(binding.source, binding.layer, expert_ids)
+    if rows is None:
+        rows = acquire_rows(binding.source, binding.layer, expert_ids)
     if len(rows.index) != len(expert_ids):
         raise ExpertSourceError(binding.layer, f"asked for {len(expert_ids)} experts {expert_ids}, "
                                 f"got {len(rows.index)} rows")

@@ -26,6 +26,7 @@ of one object read through the arena. A mismatch raises StoragedBundleMismatchEr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -53,6 +54,21 @@ class StoragedBundleMismatchError(ExpertsError):
         super().__init__(f"storaged at {socket_path} model {model!r}: {problem}")
         self.socket_path = socket_path
         self.model = model
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentLookup:
+    """Where a layer's resident experts are: `rows[layer]`, int32 [E] on the compute device (the
+    slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot."""
+
+    rows: dict[int, torch.Tensor]
+    arena: torch.Tensor
+    stride: int
+
+
+class ResidentStepRevokedError(Unavailable):
+    """storaged revoked the step fence under which a forward read resident experts (the step
+    outlived its fence timeout): the forward's output may come from overwritten slots."""
 
 
 class StoragedSessionLostError(Unavailable):
@@ -131,6 +147,8 @@ class StoragedExpertSource:
         self._wait_seconds = 0.0
         self._client: StorageClient | None = None
         self._session: Session | None = None
+        self._resident_fence = None  # the step fence this source opened for resident_lookup, while open
+        self._resident: ResidentLookup | None = None
         self._connect(connect_timeout)
 
     # --- connection -----------------------------------------------------------------------------
@@ -194,7 +212,7 @@ class StoragedExpertSource:
         """Open a new session (a new client channel, a new arena mapping), e.g. after the daemon
         restarted; raises Unavailable while it is still down. A fresh channel is used because the
         old one may sit in gRPC's reconnect back-off for seconds after the daemon is back."""
-        self._sync_device()
+        self._sync_device(raise_revoked=False)
         self._disconnect()
         self._connect(wait_seconds=0.0)
 
@@ -225,7 +243,7 @@ class StoragedExpertSource:
 
     def close(self) -> None:
         """End the session (storaged releases its pins) and the connection. Idempotent."""
-        self._sync_device()
+        self._sync_device(raise_revoked=False)
         self._disconnect()
 
     # --- the ExpertSource protocol ----------------------------------------------------------------
@@ -330,7 +348,60 @@ class StoragedExpertSource:
                 f"in all, other sessions' pins included ({exc.details}); raise its vram_cache_bytes",
                 rpc=exc.rpc) from exc
 
-    def _sync_device(self) -> None:
+    def _sync_device(self, *, raise_revoked: bool = True) -> None:
         session = self._session
         if session is not None and session.arena.device.type == "cuda":
             torch.cuda.current_stream(session.arena.device).synchronize()
+        try:
+            self._finish_resident_step()
+        except ResidentStepRevokedError:
+            if raise_revoked:
+                raise
+
+    # --- resident lookup: compute a layer whose experts are all resident without an Acquire -------
+
+    def resident_lookup(self) -> ResidentLookup | None:
+        """The slot map's rows, the arena and its stride, with the session's step fence STARTED
+        (if it was not already by this source): a slot read from the map now is not reused until
+        `finish_resident_step` (or the next acquire, which calls it). None when the daemon
+        publishes no map on this device, or the fence is held by someone else (a decode step) or
+        was revoked: then acquire as usual."""
+        if self._resident_fence is not None:
+            return self._resident
+        session = self._session
+        lookup = self.device_lookup() if session is not None else None
+        if lookup is None:
+            return None
+        slot_map, rows, arena, stride, fence = lookup
+        if fence.open or fence.revoked:
+            return None
+        fence.begin()
+        self._resident_fence = fence
+        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride)
+        return self._resident
+
+    def finish_resident_step(self) -> None:
+        """Wait for the device work queued under the open resident step, then mark it finished
+        (nothing to do when none is open). Raises ResidentStepRevokedError when the daemon stopped
+        waiting for it: that work may have read overwritten slots, its results must not be used."""
+        if self._resident_fence is None:
+            return
+        session = self._session
+        if session is not None and session.arena.device.type == "cuda":
+            torch.cuda.current_stream(session.arena.device).synchronize()
+        self._finish_resident_step()
+
+    def _finish_resident_step(self) -> None:
+        # the caller synchronized the device: the step's work has completed
+        fence, self._resident_fence, self._resident = self._resident_fence, None, None
+        if fence is None:
+            return
+        from storaged.client.dataplane import FenceRevoked
+
+        try:
+            fence.end()
+        except FenceRevoked as exc:
+            raise ResidentStepRevokedError(exc.code, f"{exc.details}; the forward that read resident experts "
+                                           "is void", rpc=exc.rpc) from exc
+        except ValueError:  # the fence page was unmapped by a reconnect meanwhile: nothing to mark
+            pass

@@ -125,3 +125,25 @@ def test_decoder_follows_a_reconnect_to_the_new_session(qwen_case, eager_tokens,
             source.close()
     finally:
         daemon.stop()
+
+
+def test_a_request_whose_experts_are_all_resident_makes_no_acquire(qwen_case, eager_tokens):
+    """The prefill (and any step on the acquire path) reads a layer's slots from the slot map under
+    the session's step fence when every expert it routes to is resident: a repeated request makes
+    no Acquire at all (no hit counted by the daemon), gives the same tokens, and leaves the fence
+    finished (a decode step can begin its own)."""
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes="64MiB")
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=64)
+            first = _greedy(runner)  # loads what it routes to
+            hits = daemon.stats().tiers["vram"].hits
+            second = _greedy(runner)
+            stats = daemon.stats()
+            fence = loaded.expert_source.device_lookup()[4]
+            assert not fence.open and not fence.revoked
+    finally:
+        daemon.stop()
+    assert first == eager_tokens and second == eager_tokens
+    assert stats.tiers["vram"].hits == hits, "the second request acquired experts it found resident"

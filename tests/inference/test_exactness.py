@@ -109,4 +109,6 @@ def test_bfloat16_model_matches_from_pretrained_eager(case, device, tmp_path):
         for key, tensor in loaded.model.state_dict().items():
             assert tensor.dtype == reference.state_dict()[key].dtype, key
         relative = compare(reference, loaded.model, f"{case} bf16 on {device}")
-    assert relative < 4e-3  # 0.0 on CPU: the same ops in the same order
+    # 0.0 on CPU (the same ops in the same order); on CUDA at most one bfloat16 ulp of the largest
+    # logit (2^-7 of it): the fused kernels accumulate in float32 in another order than cuBLAS
+    assert relative <= 2**-7

@@ -157,7 +157,9 @@ def test_fused_model_matches_eager_bfloat16(case, tmp_path):
         assert all(b.use_fused_kernels for b in bindings)
         assert all((b.fused is None) == (case.startswith("gpt_oss transformers")) for b in bindings), case
         relative = compare(reference, loaded.model, f"{case} fused")
-    assert relative < 4e-3
+    # at most one bfloat16 ulp of the largest logit (2^-7 of it, at the bottom of its binade): the
+    # kernels accumulate in float32 in another order than cuBLAS, which can flip a rounding
+    assert relative <= 2**-7
 
 
 class ThreeSlotSource(LocalPackSource):
