@@ -137,8 +137,11 @@ def fault_table(figures: dict) -> list[str]:
         others = bad.get("other_tables", {})
         total = sum(mine.values()) + sum(others.values())
         by_surface = ", ".join(f"{s} {mine.get(s, 0) + others.get(s, 0)}" for s in SURFACES)
-        rows.append(f"| bad inputs | tests/reliability's table: {', '.join(f'{s} {n}' for s, n in mine.items())}; "
-                    f"other modules' tables: {', '.join(f'{s} {n}' for s, n in others.items()) or 'not counted'} "
+        # in SURFACES' order: the kept JSON's key order need not be the run's
+        mine_text = ", ".join(f"{s} {mine[s]}" for s in SURFACES if s in mine)
+        others_text = ", ".join(f"{s} {others[s]}" for s in SURFACES if s in others)
+        rows.append(f"| bad inputs | tests/reliability's table: {mine_text}; "
+                    f"other modules' tables: {others_text or 'not counted'} "
                     f"| {total} rows ({by_surface}), each as asserted | exit status or code, message naming the "
                     "input, no traceback |")
     if units := figures.get("systemd_security"):
