@@ -92,6 +92,11 @@ for file in "${!IGNORED[@]}"; do
 done
 run_step gpu_tests "$TESTS_CAP_S" python3 -m pytest "${PYTEST_ARGS[@]}" tests/
 
+# (c2) the fault suite against a CUDA arena (its quick sizes; docs/reliability.md)
+run_step reliability_cuda "${RELIABILITY_CAP_S:-240}" env EXPERTPACK_RELIABILITY_DEVICE=cuda:0 \
+    EXPERTPACK_RELIABILITY_FIGURES="$OUT/reliability-cuda.json" python3 -m pytest -q -p no:cacheprovider \
+    tests/reliability -m "not slow" -k "kills or stress or corrupt or restart or fault"
+
 # (d) storaged against raw O_DIRECT, and the hit round trip
 run_step storaged_bench "$STORAGED_BENCH_CAP_S" python3 bench/storaged_bench.py --device cuda \
     --json "$OUT/storaged_bench.json"

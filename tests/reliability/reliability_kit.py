@@ -81,7 +81,7 @@ def killable_client(socket_path: str, model: str, crcs: dict, phases, index: int
             while time.monotonic() < until:
                 for expert, slot in zip(experts, slots):
                     crc, size = crcs[(layer, expert)]
-                    if zlib.crc32(session.slot_bytes(slot, size).numpy()) != crc:
+                    if zlib.crc32(session.slot_bytes(slot, size).cpu().numpy()) != crc:
                         phases[index] = MISMATCH
                         time.sleep(3600)  # stay here: the parent reads the phase before the kill
         phases[index] = CLOSING
@@ -114,7 +114,7 @@ def acquire_worker(socket_path: str, model: str, crcs: dict, acquires: int, seed
                 done += 1
                 for expert, slot in zip(experts, slots):
                     crc, size = crcs[(layer, expert)]
-                    if zlib.crc32(session.slot_bytes(slot, size).numpy()) != crc:
+                    if zlib.crc32(session.slot_bytes(slot, size).cpu().numpy()) != crc:
                         mismatches += 1
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the test with it
         errors += 1
@@ -194,6 +194,12 @@ class Figures:
         for case, values in self.cases.items():
             existing.setdefault(case, {}).update(values)
         path.write_text(json.dumps(existing, indent=2, sort_keys=True) + "\n")
+
+
+def daemon_device() -> dict[str, str]:
+    """The daemons' `device` field: EXPERTPACK_RELIABILITY_DEVICE (e.g. cuda:0, the GPU variant
+    that scripts/gpu_checks.sh runs: the same faults against a CUDA arena), else the CPU arena."""
+    return {"device": os.environ.get("EXPERTPACK_RELIABILITY_DEVICE") or "cpu"}
 
 
 def scale(default: int, slow: int, env: str, size: str) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from reliability_kit import acquire_worker, client_processes, crcs_of, process_memory, scale
+from reliability_kit import acquire_worker, client_processes, crcs_of, daemon_device, process_memory, scale
 from storaged.client import StorageClient
 from storaged_testkit import SLOT_BYTES, write_bundle, start_daemon
 
@@ -49,7 +49,7 @@ def test_many_clients_many_acquires(disk_dir, size, figures):
     directory = disk_dir / f"stress-{size}"
     directory.mkdir()
     daemon = start_daemon(directory, {"wide": disk_dir / f"wide-{size}"}, vram_cache_bytes=40 * SLOT_BYTES,
-                          host_cache_bytes=16 * SLOT_BYTES)
+                          host_cache_bytes=16 * SLOT_BYTES, **daemon_device())
     try:
         rounds, memory = [], [process_memory(daemon.process.pid)]
         for number in range(ROUNDS):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from reliability_kit import (ATTACHED, HOLDING, MISMATCH, PHASE_NAMES, READING, client_processes, crcs_of,
-                             killable_client, scale, wait_for)
+                             daemon_device, killable_client, scale, wait_for)
 from storaged.client import StorageClient
 from storaged.config import FIELD_NAMES
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, TEST_LAYERS, start_daemon
@@ -92,7 +92,7 @@ def _daemon(disk_dir, bundle, name: str):
     directory = disk_dir / name
     directory.mkdir()
     extra = {"session_idle_seconds": SESSION_IDLE_SECONDS} if HAS_SESSION_IDLE else {}
-    return start_daemon(directory, {"tiny": bundle.path}, vram_cache_bytes=32 * SLOT_BYTES, **extra)
+    return start_daemon(directory, {"tiny": bundle.path}, vram_cache_bytes=32 * SLOT_BYTES, **extra, **daemon_device())
 
 
 @pytest.fixture(scope="module", params=[pytest.param("default"), pytest.param("slow", marks=pytest.mark.slow)])
@@ -112,7 +112,7 @@ def _served_byte_identical(daemon, payloads) -> int:
             experts = list(range(TEST_EXPERTS))
             for expert, slot in zip(experts, session.acquire(layer, experts)):
                 data = payloads[(layer, expert)]
-                identical += session.slot_bytes(slot, len(data)).numpy().tobytes() == data
+                identical += session.slot_bytes(slot, len(data)).cpu().numpy().tobytes() == data
     return identical
 
 

@@ -19,7 +19,7 @@ import random
 import pytest
 
 from packtools.pack import PackReader
-from reliability_kit import free_port, scale, scrape
+from reliability_kit import daemon_device, free_port, scale, scrape
 from storaged.client import DataLoss, StorageClient
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, start_daemon, write_bundle
 
@@ -55,7 +55,7 @@ def _serves(session, payloads, objects) -> int:
         experts = sorted(e for l, e in objects if l == layer)
         for expert, slot in zip(experts, session.acquire(layer, experts, release_other_layers=True)):
             data = payloads[(layer, expert)]
-            identical += session.slot_bytes(slot, len(data)).numpy().tobytes() == data
+            identical += session.slot_bytes(slot, len(data)).cpu().numpy().tobytes() == data
     return identical
 
 
@@ -75,7 +75,7 @@ def test_corrupted_objects_are_data_loss_and_the_others_are_served(disk_dir, siz
     metrics = f"127.0.0.1:{free_port()}"
     daemon = start_daemon(directory, {"victim": victim, "control": disk_dir / f"control-{size}"},
                           vram_cache_bytes=2 * experts * SLOT_BYTES, host_cache_bytes=8 * SLOT_BYTES,
-                          metrics_address=metrics)
+                          metrics_address=metrics, **daemon_device())
     data_loss = other_failures = 0
     restored: list[tuple[int, int]] = []
     counted = []

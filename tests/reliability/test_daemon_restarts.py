@@ -19,7 +19,7 @@ import threading
 
 import pytest
 
-from reliability_kit import wait_for
+from reliability_kit import daemon_device, wait_for
 from storaged.client import StorageClient, StorageError
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, start_daemon
 
@@ -39,7 +39,7 @@ class Restarts:
         self.daemon = self.start()
 
     def start(self):
-        return start_daemon(self.directory, self.models, vram_cache_bytes=6 * SLOT_BYTES)
+        return start_daemon(self.directory, self.models, vram_cache_bytes=6 * SLOT_BYTES, **daemon_device())
 
     def restart(self):
         self.daemon = self.start()
@@ -125,7 +125,7 @@ def test_daemon_killed_then_restarted(restarts, bundle, figures, signame, state,
     with StorageClient(str(restarted.socket)) as fresh, fresh.attach("tiny", data_plane=TRANSPORTS[transport]) as s:
         slot, = s.acquire(4, [5])
         data = bundle.payloads[(4, 5)]
-        fresh_ok = s.slot_bytes(slot, len(data)).numpy().tobytes() == data
+        fresh_ok = s.slot_bytes(slot, len(data)).cpu().numpy().tobytes() == data
     figures.record("daemon_restarts", **{f"{signame} {state} ({transport})": {
         "client_saw": _outcome(error), "message": str(error)[:160] if error else "", "exit_status": status,
         "old_session_after_restart": _outcome(old_session), "old_client_attach_after_restart": _outcome(old_client),

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from packtools.pack import PackReader
-from reliability_kit import free_port, scrape
+from reliability_kit import daemon_device, free_port, scrape
 from storaged.client import StorageClient, StorageError
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, TEST_LAYERS, daemon_env, start_daemon
 
@@ -82,7 +82,7 @@ def test_injected_read_faults_are_counted_refused_and_the_rest_served(disk_dir, 
     metrics = f"127.0.0.1:{free_port()}"
     env = _fault_env(faultshim, bundle.path / "experts.pack", log)
     daemon = start_daemon(directory, {"tiny": bundle.path}, env=env, vram_cache_bytes=10 * SLOT_BYTES,
-                          metrics_address=metrics, direct_io=direct_io)
+                          metrics_address=metrics, direct_io=direct_io, **daemon_device())
     outcomes: dict[tuple[int, int], list[str]] = {}
     served = 0
     try:
@@ -100,7 +100,7 @@ def test_injected_read_faults_are_counted_refused_and_the_rest_served(disk_dir, 
                 healthy = [e for e in range(TEST_EXPERTS) if (layer, e) not in FAULTS]
                 for expert, slot in zip(healthy, session.acquire(layer, healthy, release_other_layers=True)):
                     data = bundle.payloads[(layer, expert)]
-                    served += session.slot_bytes(slot, len(data)).numpy().tobytes() == data
+                    served += session.slot_bytes(slot, len(data)).cpu().numpy().tobytes() == data
         counted = scrape(metrics)["io_errors_total"] - before
         alive = daemon.process.poll() is None
     finally:
