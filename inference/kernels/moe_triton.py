@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from inference.kernels import quant_dot as qd
+from inference.kernels import quant_dot_k as qk
 from inference.kernels import quant_tile as qt
 
 # Kernel type codes (the QT constexpr), filled by ops.GEMV_TYPES.
@@ -34,15 +35,15 @@ def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl
     elif QT <= 8:
         return qd.dot_blocks32(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 9:
-        return qd.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return qk.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 10:
-        return qd.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return qk.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 11:
-        return qd.dot_q4_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return qk.dot_q4_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 12:
-        return qd.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return qk.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     else:
-        return qd.dot_q6_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return qk.dot_q6_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
 
 
 @triton.jit

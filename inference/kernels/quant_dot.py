@@ -1,5 +1,9 @@
 """Triton device functions: the dot product of quantized weight rows with an activation row.
 
+This module has the plain floats and the 32-element block types, and the helpers every type
+shares (rounding, the activation loads, the tile reduction); the 256-element K-quants are in
+inference.kernels.quant_dot_k, and the grouped GEMM's weight tiles in inference.kernels.quant_tile.
+
 Each `dot_<type>` reads one step of a tile of weight rows in their GGML block format, dequantizes
 them with gguf-py's arithmetic (the same formulas as inference.dequant's kernels: bit-exact
 float32 values), rounds each weight to the model's dtype (what a resident model holds after
@@ -28,7 +32,6 @@ import triton
 import triton.language as tl
 
 from inference.dequant.triton_common import load_bytes, load_fp16_as_f32
-from inference.dequant.triton_kquants import _k_scales
 from inference.dequant.triton_legacy import _mxfp4_value
 
 # Rounding of dequantized weights to the model's dtype (the `WR` constexpr).
@@ -60,7 +63,7 @@ def _x(x_row, offsets, mask):
 
 
 @triton.jit
-def _x_all(x_row, offsets):
+def x_all(x_row, offsets):
     return tl.load(x_row + offsets).to(tl.float32)
 
 
@@ -75,7 +78,6 @@ def reduce_tile(tile, RANK: tl.constexpr):
         return tl.sum(tile, axis=1)
 
 
-# ---- plain floats: a "block" is one element -----------------------------------------------------
 # ---- plain floats: a "block" is one element -----------------------------------------------------
 
 @triton.jit
@@ -224,181 +226,3 @@ def dot_blocks32(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr
                  INTERP: tl.constexpr):
     low, high, xoff, xmask = halves32(QT, row, kb, nblk, rmask, NB)
     return _halves_dot(low, high, x_row, xoff, xmask, WR, INTERP)
-
-
-# ---- 256-element K-quants: one super-block per step -----------------------------------------------
-# Each `_part_<type>` returns the rounded weights of one of the super-block's 2 (or 4) parts
-# and their element offsets within it; the parts together cover its 256 elements.
-
-@triton.jit
-def _super(row, kb, rmask, TYPE_SIZE: tl.constexpr):
-    """(super-block byte ptr [BN, 1], x element offset of its first element)."""
-    return row + kb * TYPE_SIZE, kb * 256
-
-
-@triton.jit
-def _q45_k_layout(base, rmask):
-    """Q4_K/Q5_K: (base [BN, 1, 1], mask [BN, 1, 1], pair [1, 4, 1], i [1, 1, 32])."""
-    return (base[:, :, None], rmask[:, :, None], tl.arange(0, 4)[None, :, None],
-            tl.arange(0, 32)[None, None, :])
-
-
-@triton.jit
-def _part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q4_K, 144 B: d @0, dmin @2, scales @4, nibbles @16; (d*sc) * q - (dmin*m).
-    Byte 32 pair + i (i < 32) holds element 64 pair + i (low nibble) and 64 pair + 32 + i (high)."""
-    scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
-    q = ((packed >> (4 * nibble)) & 0x0F).to(tl.float32)
-    return round_weights(scale * q - offset, WR, INTERP), 64 * pair + 32 * nibble + i  # [BN, 4, 32]
-
-
-@triton.jit
-def dot_q4_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    base, x0 = _super(row, kb, rmask, 144)
-    base, mask, pair, i = _q45_k_layout(base, rmask)
-    packed = load_bytes(base + 16 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
-    acc = None
-    for nibble in tl.static_range(2):
-        w, k = _part_q4_k(base, mask, pair, i, packed, nibble, WR, INTERP)
-        term = w * _x_all(x_row, x0 + k)  # [BN, 4, 32]
-        acc = term if nibble == 0 else acc + term
-    return acc
-
-
-@triton.jit
-def _part_q5_k(base, mask, pair, i, packed, high_bits, nibble: tl.constexpr, WR: tl.constexpr,
-               INTERP: tl.constexpr):
-    """Q5_K, 176 B: Q4_K's header, qh[32] @16 (bit s of byte i: sub-block s), nibbles @48."""
-    sub = 2 * pair + nibble  # [1, 4, 1]
-    scale, offset = _k_scales(base, sub, mask)
-    q = ((packed >> (4 * nibble)) & 0x0F) | (((high_bits >> sub) & 0x01) << 4)
-    return round_weights(scale * q.to(tl.float32) - offset, WR, INTERP), 64 * pair + 32 * nibble + i
-
-
-@triton.jit
-def dot_q5_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    base, x0 = _super(row, kb, rmask, 176)
-    base, mask, pair, i = _q45_k_layout(base, rmask)
-    packed = load_bytes(base + 48 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
-    high_bits = load_bytes(base + 16 + i, mask)  # i32 [BN, 1, 32]
-    acc = None
-    for nibble in tl.static_range(2):
-        w, k = _part_q5_k(base, mask, pair, i, packed, high_bits, nibble, WR, INTERP)
-        term = w * _x_all(x_row, x0 + k)  # [BN, 4, 32]
-        acc = term if nibble == 0 else acc + term
-    return acc
-
-
-@triton.jit
-def _q6_k_layout(base, rmask):
-    """Q6_K as [h, j, t] = [2, 4, 16]: (base [BN,1,1,1], mask, h, j, t)."""
-    return (base[:, :, None, None], rmask[:, :, None, None], tl.arange(0, 2)[None, :, None, None],
-            tl.arange(0, 4)[None, None, :, None], tl.arange(0, 16)[None, None, None, :])
-
-
-@triton.jit
-def _part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, n: tl.constexpr, WR: tl.constexpr,
-               INTERP: tl.constexpr):
-    """Q6_K, 210 B: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208; (d*sc) * (q - 32).
-    As [h, j, t] = [2, 4, 16]: element 128h + 64n + 16j + t (nibble n of ql byte 64h + 16j + t)."""
-    sub = 8 * h + 4 * n + j  # [1, 2, 4, 1]
-    sub_scale = tl.load(base + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True)
-    scale = d * sub_scale.to(tl.float32)  # f32 [BN, 2, 4, 1]
-    q = ((low_bits >> (4 * n)) & 0x0F) | (((high_bits >> (2 * (2 * n + j // 2))) & 0x03) << 4)
-    return round_weights(scale * (q - 32).to(tl.float32), WR, INTERP), 128 * h + 64 * n + 16 * j + t
-
-
-@triton.jit
-def _q6_k_bytes(base, mask, h, j, t):
-    """(d, low bits, high bits) of Q6_K super-blocks."""
-    d = load_fp16_as_f32(base + 208, mask)
-    low_bits = load_bytes(base + 64 * h + 16 * j + t, mask)  # i32 [BN, 2, 4, 16]
-    high_bits = load_bytes(base + 128 + 32 * h + 16 * (j % 2) + t, mask)
-    return d, low_bits, high_bits
-
-
-@triton.jit
-def dot_q6_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    base, x0 = _super(row, kb, rmask, 210)
-    base, mask, h, j, t = _q6_k_layout(base, rmask)
-    d, low_bits, high_bits = _q6_k_bytes(base, mask, h, j, t)
-    acc = None
-    for n in tl.static_range(2):
-        w, k = _part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, n, WR, INTERP)
-        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 4, 16]
-        acc = term if n == 0 else acc + term
-    return acc
-
-
-@triton.jit
-def _crumbs(base, rmask):
-    """Q2_K/Q3_K's 2-bit codes as [BN, h, half, t] = [BN, 2, 2, 16] (see triton_kquants):
-    (base [BN,1,1,1], mask, h, half, t)."""
-    return (base[:, :, None, None], rmask[:, :, None, None], tl.arange(0, 2)[None, :, None, None],
-            tl.arange(0, 2)[None, None, :, None], tl.arange(0, 16)[None, None, None, :])
-
-
-@triton.jit
-def _part_q2_k(base, mask, h, half, t, d, dmin, packed, sh: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q2_K, 84 B: scales[16] @0 (lo nibble sc, hi nibble m), 2-bit qs @16, d @80, dmin @82;
-    element 128h + 32sh + 16half + t sits at bits 2sh of byte 32h + 16half + t."""
-    scales = load_bytes(base + 8 * h + 2 * sh + half, mask)  # i32 [BN, 2, 2, 1]
-    scale = d * (scales & 0x0F).to(tl.float32)
-    offset = dmin * (scales >> 4).to(tl.float32)
-    q = ((packed >> (2 * sh)) & 0x03).to(tl.float32)
-    return round_weights(scale * q - offset, WR, INTERP), 128 * h + 32 * sh + 16 * half + t
-
-
-@triton.jit
-def _q2_k_bytes(base, mask, h, half, t):
-    """(d, dmin, packed codes [BN, 2, 2, 16]) of Q2_K super-blocks."""
-    d = load_fp16_as_f32(base + 80, mask)
-    dmin = load_fp16_as_f32(base + 82, mask)
-    return d, dmin, load_bytes(base + 16 + 32 * h + 16 * half + t, mask)
-
-
-@triton.jit
-def dot_q2_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    base, x0 = _super(row, kb, rmask, 84)
-    base, mask, h, half, t = _crumbs(base, rmask)
-    d, dmin, packed = _q2_k_bytes(base, mask, h, half, t)
-    acc = None
-    for sh in tl.static_range(4):
-        w, k = _part_q2_k(base, mask, h, half, t, d, dmin, packed, sh, WR, INTERP)
-        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 2, 16]
-        acc = term if sh == 0 else acc + term
-    return acc
-
-
-@triton.jit
-def _part_q3_k(base, mask, h, half, t, d, packed, hmask, sh: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q3_K, 110 B: hmask[32] @0, 2-bit qs @32, scales[12] @96, d @108; (d*sc) * q."""
-    sub = 8 * h + 2 * sh + half  # [1, 2, 2, 1]
-    low = load_bytes(base + 96 + sub % 8, mask)
-    high = load_bytes(base + 104 + sub % 4, mask)
-    six_bit = ((low >> (4 * (sub // 8))) & 0x0F) | (((high >> (2 * (sub // 4))) & 0x03) << 4)
-    scale = d * (six_bit - 32).to(tl.float32)
-    no_offset = (hmask >> (4 * h + sh)) & 0x01
-    q = ((packed >> (2 * sh)) & 0x03) - ((no_offset ^ 1) << 2)
-    return round_weights(scale * q.to(tl.float32), WR, INTERP), 128 * h + 32 * sh + 16 * half + t
-
-
-@triton.jit
-def _q3_k_bytes(base, mask, h, half, t):
-    """(d, packed codes [BN, 2, 2, 16], high-bit mask bytes [BN, 1, 2, 16]) of Q3_K super-blocks."""
-    d = load_fp16_as_f32(base + 108, mask)
-    packed = load_bytes(base + 32 + 32 * h + 16 * half + t, mask)
-    return d, packed, load_bytes(base + 16 * half + t, mask)
-
-
-@triton.jit
-def dot_q3_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    base, x0 = _super(row, kb, rmask, 110)
-    base, mask, h, half, t = _crumbs(base, rmask)
-    d, packed, hmask = _q3_k_bytes(base, mask, h, half, t)
-    acc = None
-    for sh in tl.static_range(4):
-        w, k = _part_q3_k(base, mask, h, half, t, d, packed, hmask, sh, WR, INTERP)
-        term = w * _x_all(x_row, x0 + k)  # [BN, 2, 2, 16]
-        acc = term if sh == 0 else acc + term
-    return acc

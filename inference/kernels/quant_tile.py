@@ -14,7 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from inference.dequant.triton_common import load_bytes
 from inference.kernels import quant_dot as qd
+from inference.kernels import quant_dot_k as qk
 
 # kernel type code -> the parts `weight_part` splits a step into (floats 1, Q2_K/Q3_K 4, else 2)
 PARTS = {code: 1 if code <= 2 else 4 if code in (9, 10) else 2 for code in range(14)}
@@ -51,45 +53,45 @@ def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         return w, k, tl.reshape(tl.join(valid, valid), (NB * 32,))
     elif QT == 11 or QT == 12:  # Q4_K, Q5_K: two nibble parts [BN, 4, 32]
         if QT == 11:
-            base, x0 = qd._super(row, kb, rmask, 144)
-            base, mask, pair, i = qd._q45_k_layout(base, rmask)
-            packed = qd.load_bytes(base + 16 + 32 * pair + i, mask)
-            w0, k0 = qd._part_q4_k(base, mask, pair, i, packed, 0, WR, INTERP)
-            w1, k1 = qd._part_q4_k(base, mask, pair, i, packed, 1, WR, INTERP)
+            base, x0 = qk.super(row, kb, rmask, 144)
+            base, mask, pair, i = qk.q45_k_layout(base, rmask)
+            packed = load_bytes(base + 16 + 32 * pair + i, mask)
+            w0, k0 = qk.part_q4_k(base, mask, pair, i, packed, 0, WR, INTERP)
+            w1, k1 = qk.part_q4_k(base, mask, pair, i, packed, 1, WR, INTERP)
         else:
-            base, x0 = qd._super(row, kb, rmask, 176)
-            base, mask, pair, i = qd._q45_k_layout(base, rmask)
-            packed = qd.load_bytes(base + 48 + 32 * pair + i, mask)
-            high_bits = qd.load_bytes(base + 16 + i, mask)
-            w0, k0 = qd._part_q5_k(base, mask, pair, i, packed, high_bits, 0, WR, INTERP)
-            w1, k1 = qd._part_q5_k(base, mask, pair, i, packed, high_bits, 1, WR, INTERP)
+            base, x0 = qk.super(row, kb, rmask, 176)
+            base, mask, pair, i = qk.q45_k_layout(base, rmask)
+            packed = load_bytes(base + 48 + 32 * pair + i, mask)
+            high_bits = load_bytes(base + 16 + i, mask)
+            w0, k0 = qk.part_q5_k(base, mask, pair, i, packed, high_bits, 0, WR, INTERP)
+            w1, k1 = qk.part_q5_k(base, mask, pair, i, packed, high_bits, 1, WR, INTERP)
         w, k = _join2(w0, k0, w1, k1, BN)
         return w, x0 + k, k >= 0
     elif QT == 13:  # Q6_K: two parts [BN, 2, 4, 16]
-        base, x0 = qd._super(row, kb, rmask, 210)
-        base, mask, h, j, t = qd._q6_k_layout(base, rmask)
-        d, low_bits, high_bits = qd._q6_k_bytes(base, mask, h, j, t)
-        w0, k0 = qd._part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, 0, WR, INTERP)
-        w1, k1 = qd._part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, 1, WR, INTERP)
+        base, x0 = qk.super(row, kb, rmask, 210)
+        base, mask, h, j, t = qk.q6_k_layout(base, rmask)
+        d, low_bits, high_bits = qk.q6_k_bytes(base, mask, h, j, t)
+        w0, k0 = qk.part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, 0, WR, INTERP)
+        w1, k1 = qk.part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, 1, WR, INTERP)
         w, k = _join2(w0, k0, w1, k1, BN)
         return w, x0 + k, k >= 0
     else:  # Q2_K (9), Q3_K (10): four parts [BN, 2, 2, 16]
         if QT == 9:
-            base, x0 = qd._super(row, kb, rmask, 84)
-            base, mask, h, half, t = qd._crumbs(base, rmask)
-            d, dmin, packed = qd._q2_k_bytes(base, mask, h, half, t)
-            w0, k0 = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, 0, WR, INTERP)
-            w1, k1 = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, 1, WR, INTERP)
-            w2, k2 = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, 2, WR, INTERP)
-            w3, k3 = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, 3, WR, INTERP)
+            base, x0 = qk.super(row, kb, rmask, 84)
+            base, mask, h, half, t = qk.crumbs(base, rmask)
+            d, dmin, packed = qk.q2_k_bytes(base, mask, h, half, t)
+            w0, k0 = qk.part_q2_k(base, mask, h, half, t, d, dmin, packed, 0, WR, INTERP)
+            w1, k1 = qk.part_q2_k(base, mask, h, half, t, d, dmin, packed, 1, WR, INTERP)
+            w2, k2 = qk.part_q2_k(base, mask, h, half, t, d, dmin, packed, 2, WR, INTERP)
+            w3, k3 = qk.part_q2_k(base, mask, h, half, t, d, dmin, packed, 3, WR, INTERP)
         else:
-            base, x0 = qd._super(row, kb, rmask, 110)
-            base, mask, h, half, t = qd._crumbs(base, rmask)
-            d, packed, hmask = qd._q3_k_bytes(base, mask, h, half, t)
-            w0, k0 = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, 0, WR, INTERP)
-            w1, k1 = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, 1, WR, INTERP)
-            w2, k2 = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, 2, WR, INTERP)
-            w3, k3 = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, 3, WR, INTERP)
+            base, x0 = qk.super(row, kb, rmask, 110)
+            base, mask, h, half, t = qk.crumbs(base, rmask)
+            d, packed, hmask = qk.q3_k_bytes(base, mask, h, half, t)
+            w0, k0 = qk.part_q3_k(base, mask, h, half, t, d, packed, hmask, 0, WR, INTERP)
+            w1, k1 = qk.part_q3_k(base, mask, h, half, t, d, packed, hmask, 1, WR, INTERP)
+            w2, k2 = qk.part_q3_k(base, mask, h, half, t, d, packed, hmask, 2, WR, INTERP)
+            w3, k3 = qk.part_q3_k(base, mask, h, half, t, d, packed, hmask, 3, WR, INTERP)
         w = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [BN, 2, 2, 16, 2, 2]
         k = tl.join(tl.join(k0, k1), tl.join(k2, k3))
         w, k = _flat(w, k, BN, 256)
@@ -114,38 +116,38 @@ def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
             w, k = _flat(qd.round_weights(high, WR, INTERP), xoff + 16, BN, NB * 16)
         return w, k, valid
     elif QT == 11:
-        base, x0 = qd._super(row, kb, rmask, 144)
-        base, mask, pair, i = qd._q45_k_layout(base, rmask)
-        packed = qd.load_bytes(base + 16 + 32 * pair + i, mask)
-        w, k = qd._part_q4_k(base, mask, pair, i, packed, PART, WR, INTERP)  # [BN, 4, 32]
+        base, x0 = qk.super(row, kb, rmask, 144)
+        base, mask, pair, i = qk.q45_k_layout(base, rmask)
+        packed = load_bytes(base + 16 + 32 * pair + i, mask)
+        w, k = qk.part_q4_k(base, mask, pair, i, packed, PART, WR, INTERP)  # [BN, 4, 32]
         w, k = _flat(w, k, BN, 128)
         return w, x0 + k, k >= 0
     elif QT == 12:
-        base, x0 = qd._super(row, kb, rmask, 176)
-        base, mask, pair, i = qd._q45_k_layout(base, rmask)
-        packed = qd.load_bytes(base + 48 + 32 * pair + i, mask)
-        high_bits = qd.load_bytes(base + 16 + i, mask)
-        w, k = qd._part_q5_k(base, mask, pair, i, packed, high_bits, PART, WR, INTERP)
+        base, x0 = qk.super(row, kb, rmask, 176)
+        base, mask, pair, i = qk.q45_k_layout(base, rmask)
+        packed = load_bytes(base + 48 + 32 * pair + i, mask)
+        high_bits = load_bytes(base + 16 + i, mask)
+        w, k = qk.part_q5_k(base, mask, pair, i, packed, high_bits, PART, WR, INTERP)
         w, k = _flat(w, k, BN, 128)
         return w, x0 + k, k >= 0
     elif QT == 13:
-        base, x0 = qd._super(row, kb, rmask, 210)
-        base, mask, h, j, t = qd._q6_k_layout(base, rmask)
-        d, low_bits, high_bits = qd._q6_k_bytes(base, mask, h, j, t)
-        w, k = qd._part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, PART, WR, INTERP)  # [BN, 2, 4, 16]
+        base, x0 = qk.super(row, kb, rmask, 210)
+        base, mask, h, j, t = qk.q6_k_layout(base, rmask)
+        d, low_bits, high_bits = qk.q6_k_bytes(base, mask, h, j, t)
+        w, k = qk.part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, PART, WR, INTERP)  # [BN, 2, 4, 16]
         w, k = _flat(w, k, BN, 128)
         return w, x0 + k, k >= 0
     elif QT == 9:
-        base, x0 = qd._super(row, kb, rmask, 84)
-        base, mask, h, half, t = qd._crumbs(base, rmask)
-        d, dmin, packed = qd._q2_k_bytes(base, mask, h, half, t)
-        w, k = qd._part_q2_k(base, mask, h, half, t, d, dmin, packed, PART, WR, INTERP)  # [BN, 2, 2, 16]
+        base, x0 = qk.super(row, kb, rmask, 84)
+        base, mask, h, half, t = qk.crumbs(base, rmask)
+        d, dmin, packed = qk.q2_k_bytes(base, mask, h, half, t)
+        w, k = qk.part_q2_k(base, mask, h, half, t, d, dmin, packed, PART, WR, INTERP)  # [BN, 2, 2, 16]
         w, k = _flat(w, k, BN, 64)
         return w, x0 + k, k >= 0
     else:
-        base, x0 = qd._super(row, kb, rmask, 110)
-        base, mask, h, half, t = qd._crumbs(base, rmask)
-        d, packed, hmask = qd._q3_k_bytes(base, mask, h, half, t)
-        w, k = qd._part_q3_k(base, mask, h, half, t, d, packed, hmask, PART, WR, INTERP)
+        base, x0 = qk.super(row, kb, rmask, 110)
+        base, mask, h, half, t = qk.crumbs(base, rmask)
+        d, packed, hmask = qk.q3_k_bytes(base, mask, h, half, t)
+        w, k = qk.part_q3_k(base, mask, h, half, t, d, packed, hmask, PART, WR, INTERP)
         w, k = _flat(w, k, BN, 64)
         return w, x0 + k, k >= 0
