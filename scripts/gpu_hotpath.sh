@@ -30,7 +30,7 @@ if [[ -f .llamacpp/llama.cpp-src.tar.gz || -d .llamacpp/pack ]]; then
 fi
 
 echo "=== GPU tests of the fast path"
-timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
+timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py \
     tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
     tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager} \

@@ -62,9 +62,9 @@ SURFACES = ("gRPC and data plane", "TOML", "CLI flags", "bundles", "HTTP")
 
 
 def run_suite(full: bool, figures: Path) -> int:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability"]
-    if not full:
-        command += ["-m", "not slow"]
+    # pyproject.toml's addopts deselect the slow sizes; the full run selects every test
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability",
+               "-m", "slow or not slow" if full else "not slow"]
     # pytest's report goes to stderr: stdout carries the tables only
     return subprocess.run(command, cwd=REPO, env={**os.environ, FIGURES_ENV: str(figures)},
                           stdout=sys.stderr).returncode
@@ -73,7 +73,8 @@ def run_suite(full: bool, figures: Path) -> int:
 def other_table_rows() -> dict[str, int]:
     """Collected test cases of OTHER_TABLES, by surface (files that do not exist count 0)."""
     files = sorted({path for tables in OTHER_TABLES.values() for path, _ in tables if (REPO / path).exists()})
-    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "-m", "slow or not slow", *files],
                             cwd=REPO, capture_output=True, text=True)
     ids = [line for line in result.stdout.splitlines() if "::" in line]
     counts = collections.Counter()

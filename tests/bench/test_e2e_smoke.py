@@ -30,6 +30,7 @@ def disk_dir(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow  # the whole tiny matrix in a subprocess: minutes on a 2-core CPU
 def test_matrix_runs_every_contender_on_cpu(disk_dir):
     out = disk_dir / "out"
     done = subprocess.run(
@@ -128,6 +129,7 @@ def test_snapshot_holds_the_committed_tree_and_names_its_commit(tmp_path):
     assert not (dest / ".git").exists()
 
 
+@pytest.mark.slow  # runs the matrix until a contender's figures are written
 def test_sigterm_mid_matrix_keeps_what_was_measured(disk_dir):
     """run_all.sh's timeout sends SIGTERM: the runs finished so far are written, the rest are stated
     as not run, and no further contender starts."""

@@ -77,6 +77,7 @@ def test_llamacpp_contender_runs_beside_storaged_on_cpu(binary, disk_dir):
     assert any(s.startswith("llamacpp: ") and "cpu build" in s for s in results["statements"])
 
 
+@pytest.mark.slow  # two bench.e2e.main runs in subprocesses: ~50 s
 def test_missing_binary_is_reported_as_not_run_with_its_reason(disk_dir):
     """Never silently skipped: a stated reason, or an error when the binary is required."""
     for required, key in (("0", "skipped"), ("1", "error")):

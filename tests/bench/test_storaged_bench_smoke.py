@@ -56,6 +56,7 @@ def _run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # storaged_bench.py with a daemon in a subprocess: ~20 s
 def test_bench_reports_the_three_figures_on_cpu(disk_dir):
     out = disk_dir / "results.json"
     done = _run_bench("--device", "cpu", "--dir", str(disk_dir), "--pack-gib", "0.05", "--object-mib", "0.25",

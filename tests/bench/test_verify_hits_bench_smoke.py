@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 DISK_DIR = Path("/var/tmp")
 
 
+@pytest.mark.slow  # two daemons measured in a subprocess: ~15 s
 def test_bench_measures_both_daemons_on_cpu(tmp_path):
     if not DISK_DIR.is_dir() or not os.access(DISK_DIR, os.W_OK):
         pytest.skip(f"{DISK_DIR} is not a writable directory")

@@ -74,6 +74,7 @@ def test_static_decoder_greedy_tokens_equal_the_eager_decode(qwen_case, eager_to
         assert decoder.redone_steps == redone_first
 
 
+@pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
 def test_requests_longer_than_the_static_cache_decode_eagerly(qwen_case, eager_tokens):
     daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
     try:
@@ -127,6 +128,7 @@ def test_decoder_follows_a_reconnect_to_the_new_session(qwen_case, eager_tokens,
         daemon.stop()
 
 
+@pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
 def test_a_request_whose_experts_are_all_resident_makes_no_acquire(qwen_case, eager_tokens):
     """The prefill (and any step on the acquire path) reads a layer's slots from the slot map under
     the session's step fence when every expert it routes to is resident: a repeated request makes

@@ -43,6 +43,7 @@ def test_every_loaded_tensor_is_aligned_even_when_the_file_maps_them_unaligned(t
                    if name not in routed)
 
 
+@pytest.mark.slow  # a subprocess loading the reference model and ours: ~15 s
 def test_dense_linears_give_transformers_bits_with_an_alignment_sensitive_gemv(tmp_path):
     """In a process where MKL uses its SSE4.2 kernels, whose GEMV sums unaligned rows in another
     order: every dense Linear on the hidden state (attention projections, routers, shared expert

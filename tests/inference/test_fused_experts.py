@@ -204,7 +204,13 @@ def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):
         resolve_compute("quick", torch.device("cpu"), torch.bfloat16)
 
 
-@pytest.mark.parametrize("element_type", sorted(GEMV_TYPES), ids=lambda t: ElementType(t).name)
+# Under triton's interpreter on the CPU the K-quants with the most sub-block arithmetic take 10-20 s
+# each; the other types keep the grouped GEMM in the fast loop.
+SLOW_GEMM_TYPES = {ElementType.Q3_K, ElementType.Q5_K, ElementType.Q6_K}
+
+
+@pytest.mark.parametrize("element_type", [pytest.param(t, marks=pytest.mark.slow) if t in SLOW_GEMM_TYPES else t
+                                          for t in sorted(GEMV_TYPES)], ids=lambda t: ElementType(t).name)
 def test_gemm_equals_float64_products_of_rounded_weights(element_type):
     """The grouped GEMM (prefill): each expert-sorted pair's row is the exact product of the
     bf16-rounded dequantized weights (gate rows, then up rows) with its token, rounded once; an

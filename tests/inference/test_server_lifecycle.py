@@ -8,10 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_engine_fixtures import tiny_bundle
 from test_server_fixtures import REPO, ServerProcess, get, metric, post
 
 
+@pytest.mark.slow  # a server process decoding 1500 tokens: ~30 s
 def test_sigterm_lets_the_running_request_finish_then_exits_cleanly(tmp_path_factory):
     server = ServerProcess(tiny_bundle(tmp_path_factory))
     try:
@@ -34,6 +37,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_cleanly(tmp_path_fac
         server.kill()
 
 
+@pytest.mark.slow  # `inference serve` in a subprocess: ~20 s
 def test_a_model_that_cannot_load_ends_serve_with_status_1(tmp_path_factory):
     command = [sys.executable, "-m", "inference", "serve", "--bundle", str(tiny_bundle(tmp_path_factory)),
                "--port", "0", "--storaged", "/nonexistent/storaged.sock"]
@@ -42,6 +46,7 @@ def test_a_model_that_cannot_load_ends_serve_with_status_1(tmp_path_factory):
     assert "storaged expert source is not available" in result.stderr
 
 
+@pytest.mark.slow  # a server process decoding until the second signal: ~20 s
 def test_a_second_signal_exits_at_once(tmp_path_factory):
     server = ServerProcess(tiny_bundle(tmp_path_factory))
     try:

@@ -89,6 +89,7 @@ def wait_running(server) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # starts its own server process and floods it: ~25 s
 def test_a_flood_beyond_the_queue_gets_429_with_retry_after(flooded):
     queued = flooded
     client = client_for(queued)
@@ -119,6 +120,7 @@ def test_a_flood_beyond_the_queue_gets_429_with_retry_after(flooded):
     assert after - before == 8
 
 
+@pytest.mark.slow  # starts its own server process and waits out a request's time limit: ~25 s
 def test_a_request_past_its_time_limit_gets_408(queued):
     client = client_for(queued)
     started = time.monotonic()

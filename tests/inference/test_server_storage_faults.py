@@ -126,6 +126,7 @@ def test_a_corrupt_object_in_storaged_is_a_502_expert_data_loss(storaged_bundle,
     assert daemon.stats().checksum_failures >= 1
 
 
+@pytest.mark.slow  # a second daemon client pins the cache while a server decodes: ~15 s; the corrupt-object case keeps serve through storaged in the fast loop
 def test_a_cache_pinned_by_another_client_is_a_503_expert_capacity_exhausted(daemon, server):
     before = metric(get(server.base_url + "/metrics")[1], CAPACITY_TOTAL)
     seen = len(server.lines)

@@ -46,6 +46,7 @@ def expected(qwen_case):
             engine.close()
 
 
+@pytest.mark.slow  # daemons stopped and restarted under a loaded model: 12-18 s
 def test_killed_daemon_is_unavailable_until_restarted_then_reconnect_matches_again(qwen_case, expected):
     daemon = StoragedDaemon({"qwen": qwen_case.bundle})
     loaded = load_model(qwen_case.bundle, device="cpu", dtype=torch.float32,
@@ -77,6 +78,7 @@ def test_killed_daemon_is_unavailable_until_restarted_then_reconnect_matches_aga
         daemon.stop()
 
 
+@pytest.mark.slow  # daemons stopped and restarted under a loaded model: 12-18 s
 def test_engine_fails_the_request_in_flight_with_503_cause_and_recovers_after_restart(qwen_case, expected):
     daemon = StoragedDaemon({"qwen": qwen_case.bundle})
     loaded = load_model(qwen_case.bundle, device="cpu", dtype=torch.float32,
@@ -105,6 +107,7 @@ def test_engine_fails_the_request_in_flight_with_503_cause_and_recovers_after_re
         daemon.stop()
 
 
+@pytest.mark.slow  # daemons stopped and restarted under a loaded model: 12-18 s
 @pytest.mark.parametrize("stop", ["terminate", "kill"])
 def test_idle_restart_is_reported_by_health_and_the_next_request_reattaches(qwen_case, expected, stop):
     """storaged stopped (SIGTERM or SIGKILL) and restarted while nothing runs: /health says so and

@@ -77,6 +77,7 @@ def daemon(qwen_case):
     daemon.stop()
 
 
+@pytest.mark.slow  # a daemon and a server process: ~18 s; test_storaged_source.py and the storage-fault server keep storaged-backed inference in the fast loop
 def test_serve_with_storaged_answers_the_openai_client_like_the_local_pack(qwen_case, daemon):
     server = StoragedServer(qwen_case.bundle, daemon.socket, "demo-model")
     try:

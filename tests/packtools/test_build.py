@@ -282,6 +282,7 @@ def synth_layers(fmt: str, layers: int, where: Path) -> Path:
     return synth_hf("qwen3_moe", where / f"hf{layers}", seed=0, dtype="bfloat16", **sizes).out_dir
 
 
+@pytest.mark.slow  # synthesizes and builds two models of 14-26 layers per case: 25-30 s
 @pytest.mark.parametrize("fmt,layers", [("gguf", 14), ("hf", 26)])
 def test_dense_weights_do_not_accumulate_in_rss(tmp_path, fmt, layers):
     """Two models alike but for ~150 MB more dense weights (more layers; the largest tensor is

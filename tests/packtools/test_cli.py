@@ -222,6 +222,7 @@ def bad_builds(good, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedPr
         return {case_id: (run, *jobs[case_id][1:]) for case_id, run in zip(jobs, runs)}
 
 
+@pytest.mark.slow  # every bad build is a `python -m packtools` subprocess importing transformers: ~3 min in all
 @pytest.mark.parametrize("case", BAD_BUILDS, ids=[c.id for c in BAD_BUILDS])
 def test_bad_build_fails_cleanly(bad_builds, case):
     run, out, before = bad_builds[case.id]
@@ -234,6 +235,7 @@ def test_bad_build_fails_cleanly(bad_builds, case):
     assert leftovers(out.parent, out.name) == []
 
 
+@pytest.mark.slow  # a second build subprocess: ~10 s
 def test_force_replaces_a_bundle(good, tmp_path):
     out = tmp_path / "bundle"
     shutil.copytree(good["bundle"], out)
@@ -253,6 +255,7 @@ def _small_file_limit() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
 
+@pytest.mark.slow  # a build subprocess under a file-size limit: ~10 s each
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
 def test_a_full_disk_names_the_output_and_debug_keeps_the_exit_status(good, tmp_path, debug):
     out = tmp_path / "bundle"
@@ -267,6 +270,7 @@ def test_a_full_disk_names_the_output_and_debug_keeps_the_exit_status(good, tmp_
     assert not out.exists() and leftovers(tmp_path, "bundle") == []
 
 
+@pytest.mark.slow  # a build subprocess interrupted mid-way: 10-15 s each
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_interrupted_build_leaves_nothing(tmp_path, signum, code):
     (source,) = synth_gguf_model("qwen3_moe", tmp_path / "big.gguf", seed=3, expert_type="Q8_0", hidden_size=1024,

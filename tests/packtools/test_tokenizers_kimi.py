@@ -157,6 +157,7 @@ def test_gguf_rebuild_with_the_kimi_pre_tokenizer_equals_the_conversion(tokenize
         assert reloaded(text, add_special_tokens=False).input_ids == expected, repr(text)
 
 
+@pytest.mark.slow  # every Unicode 14 code point through both splitters: ~15 s
 def test_oniguruma_splits_like_the_regex_module_on_every_unicode14_code_point():
     """`tokenizers` (Oniguruma) takes the `&&` intersections as written; the `regex` module (VERSION1,
     as tiktoken's Rust engine reads them) is the reference. Each code point is tried in contexts that
