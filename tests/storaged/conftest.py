@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from storaged_testkit import BuiltBundle, disk_tmp_root, write_bundle
+from storaged.config import StoragedConfig
+from storaged.server.models import open_models
+from storaged.server.runtime import build_runtime
+from storaged.server.sessions import SessionRegistry
+from storaged.server.stats import MetricsSync
+from storaged_testkit import SLOT_BYTES, BuiltBundle, disk_tmp_root, write_bundle
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +28,25 @@ def disk_dir(tmp_path_factory) -> Iterator[Path]:
 def bundle(disk_dir) -> BuiltBundle:
     path = disk_dir / "bundle"
     return BuiltBundle(path, write_bundle(path))
+
+
+@pytest.fixture
+def runtime_of(tmp_path):
+    """build(bundle_path, **config fields) -> (runtime, sessions, served model, metrics sync): a
+    daemon's runtime in this process, without its servers; everything built is closed after."""
+    opened = []
+
+    def build(bundle_path, **fields):
+        config = StoragedConfig(models={"tiny": bundle_path}, socket=tmp_path / "unused.sock",
+                                metrics_address="off", **{"vram_cache_bytes": 10 * SLOT_BYTES, **fields})
+        models = open_models(config.models)
+        runtime = build_runtime(config, models)
+        opened.append((runtime, models))
+        sessions = SessionRegistry()
+        return runtime, sessions, models["tiny"], MetricsSync(runtime.engine, sessions)
+
+    yield build
+    for runtime, models in opened:
+        runtime.close()
+        for model in models.values():
+            model.close()

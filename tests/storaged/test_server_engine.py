@@ -12,34 +12,10 @@ import shutil
 
 import pytest
 
-from storaged.config import StoragedConfig
 from storaged.policy import ExpertKey
 from storaged.server.engine import ObjectDataLoss
-from storaged.server.models import open_models
-from storaged.server.runtime import build_runtime
-from storaged.server.sessions import SessionRegistry
-from storaged.server.stats import MetricsSync, stats_response
-from storaged_testkit import SLOT_BYTES, corrupt_object
-
-
-@pytest.fixture
-def runtime_of(tmp_path):
-    opened = []
-
-    def build(bundle_path, **fields):
-        config = StoragedConfig(models={"tiny": bundle_path}, socket=tmp_path / "unused.sock",
-                                metrics_address="off", **{"vram_cache_bytes": 10 * SLOT_BYTES, **fields})
-        models = open_models(config.models)
-        runtime = build_runtime(config, models)
-        opened.append((runtime, models))
-        sessions = SessionRegistry()
-        return runtime, sessions, models["tiny"], MetricsSync(runtime.engine, sessions)
-
-    yield build
-    for runtime, models in opened:
-        runtime.close()
-        for model in models.values():
-            model.close()
+from storaged.server.stats import stats_response
+from storaged_testkit import corrupt_object
 
 
 def _slot_bytes(runtime, slot: int, nbytes: int) -> bytes:
