@@ -48,6 +48,19 @@ def _arena(element_type: ElementType, hidden: int, inter: int, experts: int, dev
     return arena, slot_bytes, entries
 
 
+def _layer(type_name: str, experts: int):
+    """(type, hidden, intermediate, top-k, device, arena, slot bytes, (gate, up, down) roles,
+    gate+up GemvWeight, down GemvWeight) of the bench shape of `type_name`, `experts` slots on CUDA."""
+    element_type = ElementType[type_name]
+    hidden, inter, top_k = SHAPES[type_name]
+    device = torch.device("cuda")
+    arena, slot_bytes, roles = _arena(element_type, hidden, inter, experts, device)
+    gate, up, down = roles
+    up_weight = ops.gemv_weight([gate, up], rows=2 * inter, cols=hidden)
+    down_weight = ops.gemv_weight([down], rows=hidden, cols=inter)
+    return element_type, hidden, inter, top_k, device, arena, slot_bytes, roles, up_weight, down_weight
+
+
 def _time(fn, repeats: int = 20) -> float:
     """Microseconds per call, from a CUDA graph of `repeats` calls replayed 10 times."""
     fn()
@@ -68,12 +81,8 @@ def _time(fn, repeats: int = 20) -> float:
 
 
 def sweep(type_name: str, *, experts: int = 64, install: bool = True) -> dict:
-    element_type = ElementType[type_name]
-    hidden, inter, top_k = SHAPES[type_name]
-    device = torch.device("cuda")
-    arena, slot_bytes, (gate, up, down) = _arena(element_type, hidden, inter, experts, device)
-    up_weight = ops.gemv_weight([gate, up], rows=2 * inter, cols=hidden)
-    down_weight = ops.gemv_weight([down], rows=hidden, cols=inter)
+    element_type, hidden, inter, top_k, device, arena, slot_bytes, (gate, up, down), up_weight, down_weight = \
+        _layer(type_name, experts)
     index = torch.randperm(experts)[:top_k].to(device)  # one token's experts
     slot_map = torch.arange(experts, dtype=torch.int32, device=device)
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
@@ -103,12 +112,8 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
     the path it replaces (each distinct expert dequantized whole, then torch's grouped GEMMs)."""
     from inference.dequant import dequantize_many
 
-    element_type = ElementType[type_name]
-    hidden, inter, top_k = SHAPES[type_name]
-    device = torch.device("cuda")
-    arena, slot_bytes, (gate, up, down) = _arena(element_type, hidden, inter, experts, device)
-    up_weight = ops.gemv_weight([gate, up], rows=2 * inter, cols=hidden)
-    down_weight = ops.gemv_weight([down], rows=hidden, cols=inter)
+    element_type, hidden, inter, top_k, device, arena, slot_bytes, (gate, up, down), up_weight, down_weight = \
+        _layer(type_name, experts)
     generator = torch.Generator().manual_seed(0)
     index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])  # [T, k]
     sorted_experts, order = torch.sort(index.reshape(-1), stable=True)
