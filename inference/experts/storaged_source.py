@@ -59,11 +59,14 @@ class StoragedBundleMismatchError(ExpertsError):
 @dataclasses.dataclass(frozen=True)
 class ResidentLookup:
     """Where a layer's resident experts are: `rows[layer]`, int32 [E] on the compute device (the
-    slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot."""
+    slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot;
+    `complete`: the layers whose every expert was resident when the step opened (they stay so
+    until it finishes, so their experts need no look at the routing on the host)."""
 
     rows: dict[int, torch.Tensor]
     arena: torch.Tensor
     stride: int
+    complete: frozenset[int] = frozenset()
 
 
 class ResidentStepRevokedError(Unavailable):
@@ -377,7 +380,11 @@ class StoragedExpertSource:
             return None
         fence.begin()
         self._resident_fence = fence
-        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride)
+        # read after begin(): a slot seen here is not reused before the step finishes
+        resident = (slot_map >= 0).all(dim=1).tolist()  # [rows] one host sync per step
+        complete = frozenset(layer for layer, row in rows.items() if resident[row])
+        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride,
+                                        complete)
         return self._resident
 
     def finish_resident_step(self) -> None:
