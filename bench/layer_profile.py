@@ -5,8 +5,10 @@
 
 Modes (each on the same synthesized model, every expert resident: the all-hit regime):
   resident          every expert dequantized into transformers' own experts (grouped_mm)
-  storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder)
-  storaged-graph-compiled  the same, the captured step's decoder layers compiled by inductor
+  storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder),
+                    eager decoder layers in the graph
+  storaged-graph-compiled  the same, the captured step's decoder layers compiled by inductor (the default
+                    of `inference` on CUDA)
   storaged-eager    storaged arena, one data-plane acquire per MoE layer, fused kernels, no graph
   llamacpp          llama-bench -ngl 99 on the same GGUF (its own timing: per token only)
 
@@ -83,7 +85,7 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     if mode in ("storaged-graph", "storaged-graph-compiled"):
         decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
                                        cache_keyword=_cache_keyword(loaded.model),
-                                       compile_layers=mode == "storaged-graph-compiled")
+                                       compile_layers=mode == "storaged-graph-compiled")  # not the default
         if decoder is None:
             raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
     return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop]
