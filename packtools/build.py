@@ -16,9 +16,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from packtools import __version__
-from packtools.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
-from packtools.pack import PackWriter, Role
-from packtools.pack.constants import ElementType
+from packformat.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
+from packformat import PackWriter, Role
+from packformat.constants import ElementType
 from packtools.safetensors_stream import StreamingSafetensorsWriter
 from packtools.sources.base import CheckpointSource
 

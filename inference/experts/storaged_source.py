@@ -39,8 +39,8 @@ import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
-from packtools.bundle import MANIFEST, Bundle
-from packtools.pack import RoleEntry
+from packformat.bundle import MANIFEST, Bundle
+from packformat import RoleEntry
 from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
                              Unavailable)
 
@@ -81,7 +81,7 @@ class ExpertCapacityError(CapacityExhausted):
 
 
 def _role_entries(layout) -> tuple[RoleEntry, ...]:
-    """storaged.client RoleLayouts -> packtools RoleEntries (the fields the pack index records)."""
+    """storaged.client RoleLayouts -> packformat RoleEntries (the fields the pack index records)."""
     return tuple(RoleEntry(r.role, r.element_type, r.offset, r.nbytes, tuple(r.shape)) for r in layout.roles)
 
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from packtools.gguf.expert_map import hf_expert_params
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import tensor_nbytes
+from packformat.constants import tensor_nbytes
 from packtools.quants import dequantize
 from packtools.sources.base import RoleSlice
 

@@ -87,7 +87,7 @@ class GGUFSource:
         )
         kwargs = hf_config_kwargs(self.meta, self.arch, facts)
         config = AutoConfig.for_model(self.arch.model_type, **kwargs)
-        # model types registered at run time (packtools.models) are only in the Auto class's mapping
+        # model types registered at run time (inference.models) are only in the Auto class's mapping
         registered = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(self.arch.model_type)
         config.architectures = [registered or AutoModelForCausalLM._model_mapping[type(config)].__name__]
         return config

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from packtools.arch import get_arch, tiny_config
 from packtools.gguf.expert_map import BIAS_ROLES, role_shapes, written_roles
-from packtools.pack.constants import ElementType, Role, tensor_nbytes
+from packformat.constants import ElementType, Role, tensor_nbytes
 from packtools.quants import random_blocks
 from packtools.synth.gguf_writer import ExpertValues
 from packtools.synth.hf import seeded_generator

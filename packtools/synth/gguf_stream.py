@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from packtools.gguf.errors import GGUFError
-from packtools.pack.constants import ElementType, tensor_nbytes
+from packformat.constants import ElementType, tensor_nbytes
 
 
 class GGUFWriteError(GGUFError):

@@ -24,7 +24,7 @@ from packtools.gguf.errors import ExpertQuantizationError
 from packtools.gguf.expert_map import BIAS_ROLES, expert_tensor_name, hf_expert_roles, role_shapes, written_roles
 from packtools.gguf.tensor_map import TensorMapper
 from packtools.gguf.tokenizer import GPT2_PRE, write_vocab_kv
-from packtools.pack.constants import ElementType, Role, block_shape
+from packformat.constants import ElementType, Role, block_shape
 from packtools.quants import quantize
 from packtools.synth.gguf_stream import TensorPlan, write_gguf
 

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from packtools.arch import get_arch, tiny_config
 from packtools.arch.spec import ArchSpec
-from packtools.models import OFFICIAL_CONFIG_LAYOUTS
+from inference.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.tokenizer_synth import write_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

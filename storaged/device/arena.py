@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from packtools.pack.constants import ALIGNMENT
+from packformat.constants import ALIGNMENT
 from storaged.device.descriptor import KIND_MEMFD, ArenaDescriptor, map_region_bytes
 from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
 from storaged.io.host_memory import AlignedBuffer

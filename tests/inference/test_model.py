@@ -18,7 +18,7 @@ from inference.model import (
     load_model,
 )
 from packtools.arch.registry import tiny_config
-from packtools.bundle import open_bundle
+from packformat.bundle import open_bundle
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -25,8 +25,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from packtools.arch.registry import tiny_config
-from packtools.bundle import open_bundle
-from packtools.pack import ElementType, PackWriter, Role
+from packformat.bundle import open_bundle
+from packformat import ElementType, PackWriter, Role
 from packtools.quants.codec import dequantize, quantize
 
 warnings.filterwarnings("ignore", message=".*fla.*|.*causal_conv1d.*|.*fast path.*")

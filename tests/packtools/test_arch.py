@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from packtools.arch import ARCHITECTURES, ExpertKey, UnknownArchitecture, config_from_dict, get_arch, tiny_config
-from packtools.pack.constants import Role
+from packformat.constants import Role
 
 ARCHS = sorted(ARCHITECTURES)
 EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")

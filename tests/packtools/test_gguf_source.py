@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import Role
+from packformat.constants import Role
 from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf
 

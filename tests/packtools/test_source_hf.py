@@ -25,7 +25,7 @@ from packtools.arch.errors import (
     UnexpectedTensor,
     UnsupportedDtype,
 )
-from packtools.pack.constants import ElementType, Role
+from packformat.constants import ElementType, Role
 from packtools.sources.hf import HFSource
 from packtools.synth.hf import synth_hf
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from packtools.arch import ARCHITECTURES
 from packtools.arch.errors import InconsistentExperts, MissingExpert, UnsupportedDtype
 from packtools.arch.spec import BlockScaledParts, ExpertKey
-from packtools.pack.constants import ElementType, Role
+from packformat.constants import ElementType, Role
 from packtools.sources.hf import HFSource
 from packtools.synth.hf import synth_hf
 

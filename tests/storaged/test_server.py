@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from packtools.pack import Role
+from packformat import Role
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.client import (CapacityExhausted, DataLoss, InvalidRequest, NotFound,
@@ -82,7 +82,7 @@ def test_info(client):
 
 
 def test_attach_layout_matches_pack(client, served):
-    from packtools.pack import PackReader
+    from packformat import PackReader
     with client.attach("tiny") as session, PackReader(served[0].socket.parent / "bundle" / "experts.pack") as pack:
         assert sorted(session.layers) == list(TEST_LAYERS)
         assert session.slot_size == SLOT_BYTES and session.slot_count == SLOT_COUNT

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from packtools.build import build_bundle
-from packtools.bundle import BundleError, BundleExistsError, open_bundle, staged_bundle
-from packtools.pack import PackReader
+from packformat.bundle import BundleError, BundleExistsError, open_bundle, staged_bundle
+from packformat import PackReader
 from packtools.synth.hf import synth_hf
 
 REPO = Path(__file__).resolve().parents[2]
