@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from packformat.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
 from packformat import constants as C
+from packformat.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
 from packformat.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
 
 MODEL_TYPE = "expertpack_bench"  # not a transformers architecture: storaged never builds the model

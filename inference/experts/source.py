@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from inference.experts.errors import ExpertLayoutError
-from packformat.bundle import Bundle
 from packformat import RoleEntry
+from packformat.bundle import Bundle
 
 
 @runtime_checkable

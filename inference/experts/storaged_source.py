@@ -39,8 +39,8 @@ import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
-from packformat.bundle import MANIFEST, Bundle
 from packformat import RoleEntry
+from packformat.bundle import MANIFEST, Bundle
 from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
                              Unavailable)
 

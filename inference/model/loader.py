@@ -19,8 +19,8 @@ from inference.experts import (ExpertSource, attach_lookahead, bind_experts, res
                                routed_parameter_names, select_expertpack)
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
-from packtools.arch.routing import check_routing
 from packformat.bundle import DENSE, Bundle, open_bundle
+from packtools.arch.routing import check_routing
 
 # A source, or something that makes one from the open bundle and the device (LocalPackSource is one).
 ExpertSourceFactory = Callable[[Bundle, torch.device], ExpertSource]

@@ -8,10 +8,10 @@ import dataclasses
 from transformers import AutoConfig, PretrainedConfig
 
 import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
+from packformat.constants import Role
 from packtools.arch.errors import UnknownArchitecture
 from packtools.arch.spec import ArchSpec, BlockScaledParts, FusedPart
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
-from packformat.constants import Role
 from packtools.sources.base import ExpertLayout
 
 

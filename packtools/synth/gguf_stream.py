@@ -16,8 +16,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from packtools.gguf.errors import GGUFError
 from packformat.constants import ElementType, tensor_nbytes
+from packtools.gguf.errors import GGUFError
 
 
 class GGUFWriteError(GGUFError):

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from packformat.bundle import Bundle, BundleError, open_bundle
 from packformat import PackError, PackReader
+from packformat.bundle import Bundle, BundleError, open_bundle
 from packformat.index import ObjectEntry, RoleEntry
 from storaged.policy.keys import ModelLayout
 

@@ -25,9 +25,9 @@ from inference.experts import (
     select_expertpack,
 )
 from inference.model import build_meta_model, load_model
-from packtools.arch.registry import tiny_config
-from packformat.bundle import open_bundle
 from packformat import ElementType, ObjectChecksumError, PackWriter, Role, RoleEntry
+from packformat.bundle import open_bundle
+from packtools.arch.registry import tiny_config
 
 TOP_K = 4
 TOKENS = 37

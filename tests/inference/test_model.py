@@ -17,8 +17,8 @@ from inference.model import (
     initialize_non_persistent_buffers,
     load_model,
 )
-from packtools.arch.registry import tiny_config
 from packformat.bundle import open_bundle
+from packtools.arch.registry import tiny_config
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

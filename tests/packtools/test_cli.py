@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from packtools.inspect import validate
 from packformat import PackReader
+from packtools.inspect import validate
 from packtools.synth.gguf_cli import synth_gguf_model
 from packtools.synth.hf import synth_hf
 
