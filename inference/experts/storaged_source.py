@@ -34,15 +34,14 @@ import time
 import zlib
 from collections.abc import Sequence
 
-import grpc
 import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
 from packformat import RoleEntry
 from packformat.bundle import MANIFEST, Bundle
-from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
-                             Unavailable)
+from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StatusCode, StorageClient,
+                             StorageError, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ class StoragedExpertSource:
             models = client.info().models
             served = models.get(self.model_name)
             if served is None:
-                raise NotFound(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
+                raise NotFound(StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
                                f"{self.socket_path} (served: {', '.join(sorted(models))}); name the "
                                "daemon's model with --storaged-model", rpc="Info")
             session = client.attach(self.model_name)
@@ -203,7 +202,7 @@ class StoragedExpertSource:
         if session is not None:
             try:
                 session.close()
-            except (StorageError, ClientClosed, grpc.RpcError):
+            except (StorageError, ClientClosed):
                 pass  # the daemon is gone or forgot the session: nothing left to free there
         if client is not None:
             client.close()
@@ -300,7 +299,7 @@ class StoragedExpertSource:
     def _acquired_slots(self, layer: int, experts: list[int]) -> tuple[Session, list[int]]:
         session = self._session
         if session is None:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
+            raise Unavailable(StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
                               "(the last reconnect failed)", rpc="Acquire")
         self._sync_device()  # this Acquire frees every other layer's slots: no queued work may read them
         stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None
