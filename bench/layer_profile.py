@@ -182,7 +182,7 @@ def _profile_prefill(model, decoder, device: torch.device, vocab: int, prompt_le
 
 def _prewarm(source, bundle_dir) -> None:
     """Acquire every expert of every layer once: the all-hit regime starts with all of them resident."""
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     with open_bundle(bundle_dir) as bundle:
         layers, experts = list(bundle.pack.layers), bundle.pack.header.expert_count

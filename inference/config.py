@@ -25,7 +25,7 @@ import torch
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
 from inference.model import LoadedModel, load_model
-from packtools.bundle import Bundle
+from packformat.bundle import Bundle
 from servicekit.toml_file import TomlFileError, read_toml
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -34,15 +34,14 @@ import time
 import zlib
 from collections.abc import Sequence
 
-import grpc
 import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
-from packtools.bundle import MANIFEST, Bundle
-from packtools.pack import RoleEntry
-from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
-                             Unavailable)
+from packformat import RoleEntry
+from packformat.bundle import MANIFEST, Bundle
+from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StatusCode, StorageClient,
+                             StorageError, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class ExpertCapacityError(CapacityExhausted):
 
 
 def _role_entries(layout) -> tuple[RoleEntry, ...]:
-    """storaged.client RoleLayouts -> packtools RoleEntries (the fields the pack index records)."""
+    """storaged.client RoleLayouts -> packformat RoleEntries (the fields the pack index records)."""
     return tuple(RoleEntry(r.role, r.element_type, r.offset, r.nbytes, tuple(r.shape)) for r in layout.roles)
 
 
@@ -164,7 +163,7 @@ class StoragedExpertSource:
             models = client.info().models
             served = models.get(self.model_name)
             if served is None:
-                raise NotFound(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
+                raise NotFound(StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
                                f"{self.socket_path} (served: {', '.join(sorted(models))}); name the "
                                "daemon's model with --storaged-model", rpc="Info")
             session = client.attach(self.model_name)
@@ -206,7 +205,7 @@ class StoragedExpertSource:
         if session is not None:
             try:
                 session.close()
-            except (StorageError, ClientClosed, grpc.RpcError):
+            except (StorageError, ClientClosed):
                 pass  # the daemon is gone or forgot the session: nothing left to free there
         if client is not None:
             client.close()
@@ -303,7 +302,7 @@ class StoragedExpertSource:
     def _acquired_slots(self, layer: int, experts: list[int]) -> tuple[Session, list[int]]:
         session = self._session
         if session is None:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
+            raise Unavailable(StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
                               "(the last reconnect failed)", rpc="Acquire")
         self._sync_device()  # this Acquire frees every other layer's slots: no queued work may read them
         stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None

@@ -19,8 +19,8 @@ from types import ModuleType
 
 import torch
 
-from packtools.pack import RoleEntry
-from packtools.pack.constants import ElementType, block_shape
+from packformat import RoleEntry
+from packformat.constants import ElementType, block_shape
 
 # element type -> (kernel type code, blocks per step, rank of its product tile); a float "block"
 # is one element

@@ -7,11 +7,11 @@ import dataclasses
 
 from transformers import AutoConfig, PretrainedConfig
 
-import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
+import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
+from packformat.constants import Role
 from packtools.arch.errors import UnknownArchitecture
 from packtools.arch.spec import ArchSpec, BlockScaledParts, FusedPart
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
-from packtools.pack.constants import Role
 from packtools.sources.base import ExpertLayout
 
 
@@ -162,7 +162,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         checkpoint_prefixes=("language_model.model.", "model.", ""),
         # Moonshot's release: compressed-tensors "mxfp4-pack-quantized" routed experts
         block_scaled=BlockScaledParts("weight_packed", "weight_scale"),
-        notes="packtools.models.kimi_k3; experts at routed_expert_hidden_size (latent), SiTU activation; "
+        notes="inference.models.kimi_k3; experts at routed_expert_hidden_size (latent), SiTU activation; "
               "official checkpoint under language_model. with a multimodal config.json wrapper",
     ),
     "gpt_oss": ArchSpec(

@@ -7,7 +7,6 @@ renormalises the top-k weights, Qwen2-MoE does not).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import gguf
@@ -20,20 +19,10 @@ from packtools.gguf.errors import InvalidMetadataError, UnknownArchitectureError
 from packtools.gguf.kimi_k3 import config_kwargs as _kimi_k3
 from packtools.gguf.metadata import Metadata, shortest_float
 from packtools.gguf.routing import expert_groups
+from packtools.gguf.tensor_facts import TensorFacts
 
 LLM, ATTN, ROPE, TOK = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 LLAMA_CPP_DEFAULT_ROPE_THETA = 10000.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorFacts:
-    """What the tensor list says that the metadata may not."""
-
-    vocab_size: int  # rows of token_embd.weight
-    tied_embeddings: bool  # no output.weight: the LM head reuses token_embd
-    attention_bias: bool  # blk.0.attn_q.bias exists
-    shared_expert_rows: int | None  # rows of blk.N.ffn_gate_shexp.weight, if any
-    names: frozenset[str] = frozenset()  # every tensor name, for optional tensors that set a switch
 
 
 # archs whose every FFN is MoE: no feed_forward_length in the file (deepseek4; transformers

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import gguf
 import torch
 
-from packtools.pack.constants import Role
+from packformat.constants import Role
 
 MODEL_TENSOR = gguf.MODEL_TENSOR
 

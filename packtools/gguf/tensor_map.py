@@ -12,64 +12,22 @@ llama.cpp's converter transforms a tensor, the rule carries the transform and it
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
-from collections.abc import Callable
 
 import gguf
 import torch
 from transformers import PretrainedConfig
 
 from packtools.gguf.archs import MODEL_ARCH, GGUFArch, arch_for_model_type
+from packtools.gguf.dense_rule import DenseRule, Tensors, identity_in, identity_out, kv_b_split_join
 from packtools.gguf.errors import TensorMappingError
 
-Tensors = tuple[torch.Tensor, ...]
 # transformers 5 keys of routed experts: "model.layers.N.mlp.experts.<param>"
 ROUTED_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\w+)$")
 _SUFFIXES = (".weight", ".bias")
 # model_type -> module with `dense_rule(config, hf_name) -> DenseRule`, for archs gguf-py 0.19 lacks
 OWN_TABLES = {"kimi_k3": "packtools.gguf.kimi_k3_tensors", "deepseek_v4": "packtools.gguf.deepseek4"}
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseRule:
-    """How one transformers tensor is stored in GGUF: as `gguf_names`, via `to_gguf`/`from_gguf`."""
-
-    hf_name: str
-    gguf_names: tuple[str, ...]
-    to_gguf: Callable[[torch.Tensor], Tensors]
-    from_gguf: Callable[[Tensors], torch.Tensor]
-    # what older files hold instead (reading only): e.g. attn_kv_b from before llama.cpp split it
-    fallback: DenseRule | None = None
-
-
-def kv_b_split_join(config: PretrainedConfig) -> tuple[Callable[[torch.Tensor], Tensors],
-                                                      Callable[[Tensors], torch.Tensor]]:
-    """MLA's kv_b_proj <-> llama.cpp's (attn_k_b, attn_v_b): the converter splits it per head and
-    transposes k_b for weight absorption."""
-    n_head = config.num_attention_heads
-    nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
-
-    def split(kv_b: torch.Tensor) -> Tensors:  # [n_head*(nope+v), kv_lora]
-        per_head = kv_b.reshape(n_head, nope + v_dim, kv_b.shape[-1])
-        k_b, v_b = torch.split(per_head, [nope, v_dim], dim=1)
-        return k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [n_head, kv_lora, nope], [n_head, v, kv_lora]
-
-    def join(tensors: Tensors) -> torch.Tensor:
-        k_b, v_b = tensors
-        per_head = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [n_head, nope+v, kv_lora]
-        return per_head.reshape(n_head * (nope + v_dim), per_head.shape[-1])
-
-    return split, join
-
-
-def _identity_out(tensor: torch.Tensor) -> Tensors:
-    return (tensor,)
-
-
-def _identity_in(tensors: Tensors) -> torch.Tensor:
-    return tensors[0]
 
 
 def permute_for_llama_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -134,7 +92,7 @@ class TensorMapper:
         if arch == MODEL_ARCH.KIMI_LINEAR and name.endswith(".A_log"):
             # llama.cpp stores A itself; log(-A) recovers A_log to within float rounding
             return DenseRule(hf_name, (self.gguf_name(name),), lambda t: (-torch.exp(t),), lambda ts: torch.log(-ts[0]))
-        return DenseRule(hf_name, (self.gguf_name(name),), _identity_out, _identity_in)
+        return DenseRule(hf_name, (self.gguf_name(name),), identity_out, identity_in)
 
     def _llama_rope_rule(self, hf_name: str, name: str) -> DenseRule:
         is_key = name.endswith("k_proj.weight")
@@ -149,7 +107,7 @@ class TensorMapper:
     def _kv_b_rule(self, hf_name: str, name: str) -> DenseRule:
         names = tuple(self.gguf_name(name.replace("kv_b_proj", part)) for part in ("k_b_proj", "v_b_proj"))
         split, join = kv_b_split_join(self.config)
-        unsplit = DenseRule(hf_name, (self.gguf_name(name),), _identity_out, _identity_in)
+        unsplit = DenseRule(hf_name, (self.gguf_name(name),), identity_out, identity_in)
         return DenseRule(hf_name, names, split, join, fallback=unsplit)
 
     def _kimi_conv_rule(self, hf_name: str, name: str) -> DenseRule:

@@ -30,7 +30,7 @@ import concurrent.futures
 import time
 from dataclasses import dataclass, field
 
-from packtools.pack.errors import ObjectChecksumError
+from packformat.errors import ObjectChecksumError
 from storaged.device.arena import Arena
 from storaged.device.host_tier import HostTier
 from storaged.io.executor import ReadExecutor, ReadPriority

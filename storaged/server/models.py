@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtools.bundle import Bundle, BundleError, open_bundle
-from packtools.pack import PackError, PackReader
-from packtools.pack.index import ObjectEntry, RoleEntry
+from packformat import PackError, PackReader
+from packformat.bundle import Bundle, BundleError, open_bundle
+from packformat.index import ObjectEntry, RoleEntry
 from storaged.policy.keys import ModelLayout
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
-from packtools.pack import ElementType, Role
+from packformat import ElementType, Role
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear",
          "gpt_oss"]

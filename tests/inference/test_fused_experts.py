@@ -20,8 +20,8 @@ from inference.experts.storaged_source import ResidentLookup
 from inference.kernels.ops import (GEMV_TYPES, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine, moe_gemm,
                                   moe_gemv)
 from inference.model import load_model
-from packtools.pack import ElementType, Role, RoleEntry
-from packtools.pack.constants import block_shape, tensor_nbytes
+from packformat import ElementType, Role, RoleEntry
+from packformat.constants import block_shape, tensor_nbytes
 from packtools.quants import random_blocks
 
 pytest.importorskip("triton")

@@ -23,7 +23,7 @@ from inference.config import ExpertSourceNotAvailableError, add_model_arguments,
 from inference.experts import LocalPackSource
 from inference.experts.storaged_source import ExpertCapacityError, StoragedBundleMismatchError, StoragedExpertSource
 from inference.model import load_model
-from packtools.bundle import open_bundle
+from packformat.bundle import open_bundle
 from storaged.client import NotFound
 
 pytestmark = pytest.mark.usefixtures("one_thread")

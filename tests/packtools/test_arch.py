@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from packformat.constants import Role
 from packtools.arch import ARCHITECTURES, ExpertKey, UnknownArchitecture, config_from_dict, get_arch, tiny_config
-from packtools.pack.constants import Role
 
 ARCHS = sorted(ARCHITECTURES)
 EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")

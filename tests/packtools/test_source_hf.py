@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from packformat.constants import ElementType, Role
 from packtools.arch import ARCHITECTURES, UnknownArchitecture, get_arch
 from packtools.arch.errors import (
     HFCheckpointError,
@@ -25,7 +26,6 @@ from packtools.arch.errors import (
     UnexpectedTensor,
     UnsupportedDtype,
 )
-from packtools.pack.constants import ElementType, Role
 from packtools.sources.hf import HFSource
 from packtools.synth.hf import synth_hf
 

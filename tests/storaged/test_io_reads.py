@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packtools.pack import ElementType, ObjectChecksumError, PackReader, PackWriter, Role
+from packformat import ElementType, ObjectChecksumError, PackReader, PackWriter, Role
 from storaged.io import (AlignedBuffer, BufferAlignmentError, BufferTooSmallError, DirectIOUnsupported,
                          DirectPackFile, ExecutorClosedError, HostMemory, ObjectReadError, PriorityDispatch,
                          ReadExecutor, ReadPriority, UnknownPackError)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from packtools.pack import Role
+from packformat import Role
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged_testkit import PYTHON, REPO
 
