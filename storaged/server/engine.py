@@ -103,7 +103,6 @@ class StorageEngine:
         self._loads: dict[ExpertKey, _Load] = {}
         self._demotions: dict[ExpertKey, asyncio.Future] = {}  # → None once the host copy is complete
         self._tasks: set[asyncio.Task] = set()
-        self.capacity_exhausted = 0  # Acquires refused with CapacityExhausted
 
     @property
     def loads_in_flight(self) -> int:
@@ -124,7 +123,7 @@ class StorageEngine:
             plan = self.planner.acquire(session.id, model.model_id, layer, experts,
                                         release_other_layers=release_other_layers)
         except CapacityExhausted:
-            self.capacity_exhausted += 1
+            self.metrics.add("capacity_exhausted_total")
             raise
         events = [NO_EVENT] * len(plan.steps)
         own_loads: list[tuple[int, asyncio.Future]] = []  # → event index of the copy, or None

@@ -131,7 +131,7 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         try:
             session = self.sessions.open(model, owner)
         except TooManySessions as exc:
-            self.engine.metrics.sessions_refused.inc()
+            self.engine.metrics.add("sessions_refused_total")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         geometry = self.runtime.geometry
         return pb.AttachResponse(session_id=session.id, arena=convert.arena_descriptor(descriptor),
