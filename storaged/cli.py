@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     # Bundles are validated before torch, grpc and the device are even imported, so a bad
     # bundle fails in a fraction of a second.
-    from storaged.server.models import ModelLoadError, open_models
+    from storaged.server.models import ModelOpenError, open_models
 
     try:
         models = open_models(config.models)
-    except ModelLoadError as exc:
+    except ModelOpenError as exc:
         print(f"storaged: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     from storaged.server.daemon import run
