@@ -145,7 +145,8 @@ def table() -> tuple[StatField, ...]:
     fields = FIELDS
     names = [f.name for f in fields]
     if len(names) != len(set(names)):
-        raise StatFieldError(f"the field table names a figure twice: {sorted(n for n in names if names.count(n) > 1)}")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise StatFieldError(f"the field table names a figure twice: {twice}")
     return fields
 
 
