@@ -1,6 +1,6 @@
 """Architecture registry: what packtools knows about each supported MoE model_type."""
 
-from packtools.arch.registry import ARCHITECTURES, UnknownArchitecture, config_from_dict, get_arch, tiny_config
+from packtools.arch.registry import ARCHITECTURES, UnknownArchitectureError, config_from_dict, get_arch, tiny_config
 from packtools.arch.spec import ArchSpec, ExpertKey, FusedPart
 
 __all__ = [
@@ -8,7 +8,7 @@ __all__ = [
     "ArchSpec",
     "ExpertKey",
     "FusedPart",
-    "UnknownArchitecture",
+    "UnknownArchitectureError",
     "config_from_dict",
     "get_arch",
     "tiny_config",

@@ -9,7 +9,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from packformat.constants import Role
-from packtools.arch.errors import UnknownArchitecture
+from packtools.arch.errors import UnknownArchitectureError
 from packtools.arch.spec import ArchSpec, BlockScaledParts, FusedPart
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
 from packtools.sources.base import ExpertLayout
@@ -183,7 +183,7 @@ def get_arch(model_type: str) -> ArchSpec:
     try:
         return ARCHITECTURES[model_type]
     except KeyError:
-        raise UnknownArchitecture(model_type, ARCHITECTURES) from None
+        raise UnknownArchitectureError(None, model_type, known=ARCHITECTURES) from None
 
 
 def config_from_dict(config: dict) -> PretrainedConfig:
