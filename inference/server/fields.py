@@ -84,8 +84,9 @@ FIELDS: tuple[Field, ...] = (
              lambda v: v in (None, "auto", "default"), {CHAT}),
     _refused("store", "only false: nothing is stored", endpoints={CHAT}),
     _refused("modalities", "only `[\"text\"]`", lambda v: v is None or v == ["text"], {CHAT}),
-    _refused("response_format", "only `{\"type\": \"text\"}`; JSON modes are not supported yet (completions: "
-             "vLLM's extension)", lambda v: v is None or v == {"type": "text"}),
+    _honoured("response_format", "`text`, `json_object`, `json_schema` (any `strict`): grammar-constrained decoding "
+              "(llguidance); a schema it cannot honour is a 400 naming `response_format.json_schema.schema` "
+              "(completions: vLLM's extension)"),
     _refused("tools", "tool calling is not supported yet (an empty list is accepted)", endpoints={CHAT}),
     _refused("tool_choice", "only `none` (there are no tools)", lambda v: v in (None, "none"), {CHAT}),
     _refused("parallel_tool_calls", "only with tools", _null, {CHAT}),

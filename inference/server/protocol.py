@@ -14,6 +14,7 @@ from inference.engine import InvalidRequestError, SamplingParams
 from inference.engine.params import MAX_LOGPROBS
 from inference.server.fields import REFUSED, fields_for
 from inference.server.messages import parse_messages
+from inference.server.structured import response_format_grammar
 from servicekit.echo import shown
 
 MAX_CHOICES = 128  # prompts x n in one request; OpenAI's n is at most 128 too
@@ -230,7 +231,11 @@ def parse_request(body, *, chat: bool, unknown: Callable[[list[str]], None] = la
     request_id = _field(body, "request_id", lambda v: isinstance(v, str) and v.isprintable() and 0 < len(v) <= 128,
                         "a printable string of at most 128 characters")
     tags = {name: body[name] for name in TAG_FIELDS if body.get(name) is not None}
+    sampling = _sampling(body)
+    grammar = response_format_grammar(body)
+    if grammar is not None:
+        sampling["grammar"] = grammar
     return ParsedRequest(chat, model, prompts, messages, _template_kwargs(body) if chat else {},
                          add_generation_prompt, continue_final, add_special, n, max_tokens, max_tokens_param,
-                         _sampling(body), stream, include_usage, continuous_usage, _logprobs(body, chat), tags,
+                         sampling, stream, include_usage, continuous_usage, _logprobs(body, chat), tags,
                          request_id)

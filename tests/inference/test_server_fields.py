@@ -8,6 +8,7 @@ greedy here, so the sampling tests set top_k=0 to sample.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -289,6 +290,19 @@ def test_request_id_and_tags_reach_the_access_log(server, client):
     for shown in ("user=alice", "safety_identifier=sid-9", 'metadata="{\\"team\\":\\"infra\\"}"',
                   "prompt_cache_key=conv-3", "prompt_tokens=", "completion_tokens=2"):
         assert shown in line, line
+
+
+@covers("response_format")
+def test_response_format_json_schema_on_both_endpoints(client):
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "grey"]}}, "required": ["sky"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    assert json.loads(chat(client, max_tokens=20, response_format=fmt).choices[0].message.content)["sky"] in (
+        "clear", "grey")
+    assert json.loads(complete(client, max_tokens=20, extra_body={"response_format": fmt}).choices[0].text)["sky"] in (
+        "clear", "grey")
+    assert chat(client, max_tokens=4, response_format={"type": "text"}).choices[0].message.content
+    # tests/inference/test_server_structured.py: 50 seeded schemas, streaming, json_object, refusals
 
 
 # --- refusals, coverage and the documented table ---------------------------------------------

@@ -123,7 +123,9 @@ def test_completion_prompts(prompt, expected):
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": USER, "parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objectx"}}}}, "response_format.json_schema.schema"),
     ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "n": 129}, "n"),
     ({"messages": USER, "top_p": True}, "top_p"),
