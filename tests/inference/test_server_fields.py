@@ -305,6 +305,18 @@ def test_response_format_json_schema_on_both_endpoints(client):
     # tests/inference/test_server_structured.py: 50 seeded schemas, streaming, json_object, refusals
 
 
+@covers("tools", "tool_choice", "parallel_tool_calls")
+def test_tools_forced_by_tool_choice_come_back_as_tool_calls(client):
+    tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {},
+                                                                               "additionalProperties": False}}}]
+    reply = chat(client, max_tokens=120, tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == [("clock", "{}")]
+    assert chat(client, max_tokens=4, tools=tools, tool_choice="none").choices[0].message.tool_calls is None
+    # tests/inference/test_server_tools.py: named functions, streaming deltas, auto, refusals;
+    # tests/inference/test_server_tool_formats.py: Qwen3's, DeepSeek's and Kimi's formats
+
+
 # --- refusals, coverage and the documented table ---------------------------------------------
 
 REFUSED_CASES = [(f.name, endpoint) for f in FIELDS if f.status == REFUSED for endpoint in sorted(f.endpoints)]
