@@ -151,3 +151,14 @@ def test_min_tokens_with_a_schema_is_refused(client):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
                                        response_format={"type": "json_object"}, extra_body={"min_tokens": 3})
     assert caught.value.body["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_top_level_scalar_ends_the_choice_with_or_without_eos(client, ignore_eos):
+    schema = {"type": "integer", "minimum": 0, "maximum": 5000}
+    for seed in range(3):
+        choice = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, seed=seed,
+                                                response_format=_json_schema(schema),
+                                                extra_body={"ignore_eos": ignore_eos}).choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
