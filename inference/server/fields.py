@@ -88,7 +88,7 @@ FIELDS: tuple[Field, ...] = (
               "(llguidance); a schema it cannot honour is a 400 naming `response_format.json_schema.schema` "
               "(completions: vLLM's extension)"),
     _honoured("tools", "functions rendered through the model's chat template (400 if it renders none); calls read "
-              "back in the model's format (Qwen3 `<tool_call>`, DeepSeek V3/V3.1, Kimi K2) as `tool_calls`, streamed "
+              "back in the model's format (Qwen3 `<tool_call>`, DeepSeek V3/V3.1/DSML, Kimi K2) as `tool_calls`, streamed "
               "as `tool_calls` deltas, finish_reason `tool_calls`", {CHAT}),
     _honoured("tool_choice", "`none` (tools rendered, plain content), `auto` (default with tools), `required` or a "
               "named function (forced by grammar-constrained decoding); 400 without tools unless `none`", {CHAT}),

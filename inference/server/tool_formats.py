@@ -7,7 +7,12 @@ Each format is recognized by what the model's chat template writes for an assist
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; DeepSeek V3.1 drops the `function` and the fence:
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`;
 - Kimi K2 (and Kimi Linear, K3): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I
-  <|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>`.
+  <|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>`;
+- DeepSeek V3.2 and V4 (DSML): `<｜DSML｜tool_calls>` (V3.2: `function_calls`) around
+  `<｜DSML｜invoke name="NAME">` blocks of `<｜DSML｜parameter name="P" string="true|false">VALUE
+  </｜DSML｜parameter>`, VALUE raw text when string="true", JSON otherwise. DeepSeek ships this one as
+  Python (encoding_dsv4.py), not as a template: it is read back where a template (a GGUF's, an
+  operator's) writes it.
 """
 
 from __future__ import annotations
@@ -159,9 +164,79 @@ class KimiFormat(ToolFormat):
                 f"call: {calls}\n" + "\n".join(rules) + "\n")
 
 
+class DsmlFormat(ToolFormat):
+    """`bar` is DeepSeek's fullwidth ｜ (some templates write ASCII |); `block` is tool_calls (V4) or
+    function_calls (V3.2)."""
+
+    name = "deepseek_dsml"
+    _TEMPLATE = re.compile(r"<([|｜])DSML\1(tool_calls|function_calls)>")
+
+    def __init__(self, bar: str = "｜", block: str = "tool_calls"):
+        self.bar, self.block = bar, block
+        tag = re.escape(f"{bar}DSML{bar}")
+        self.start = f"<{bar}DSML{bar}{block}>"
+        self._invoke = re.compile(f'<{tag}invoke\\s+name="([^"]+)"\\s*>(.*?)</{tag}invoke>', re.DOTALL)
+        self._param = re.compile(f'<{tag}parameter\\s+name="([^"]+)"\\s+string="(true|false)"\\s*>(.*?)'
+                                 f'</{tag}parameter>', re.DOTALL)
+
+    @classmethod
+    def of(cls, template: str) -> DsmlFormat | None:
+        match = cls._TEMPLATE.search(template)
+        return cls(match.group(1), match.group(2)) if match else None
+
+    def _calls(self, text):
+        calls = []
+        for name, body in self._invoke.findall(text):
+            arguments = {}
+            for param, is_string, value in self._param.findall(body):
+                if is_string == "true":
+                    arguments[param] = value
+                else:
+                    try:
+                        arguments[param] = json.loads(value)
+                    except (json.JSONDecodeError, RecursionError):
+                        return None
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+    def _value(self, rule: str, spec) -> tuple[str, str, str | None]:
+        """(string attribute, the value's grammar, its rule or None): a plain string property is raw
+        text, as the model writes it; anything else is JSON matching its schema."""
+        plain = isinstance(spec, dict) and spec.get("type") == "string" and set(spec) <= {
+            "type", "description", "title", "maxLength"}
+        if plain:
+            limit = spec.get("maxLength")
+            return "true", f"/[^<]{{0,{int(limit)}}}/" if isinstance(limit, int) else "/[^<]*/", None
+        return "false", rule, f"{rule}: %json {json.dumps({**(spec or {}), 'x-guidance': JSON_OPTIONS})}"
+
+    def lark(self, tools, many, token):
+        tag, lit = f"{self.bar}DSML{self.bar}", lambda text: json.dumps(text, ensure_ascii=False)
+        rules = []
+        for i, t in enumerate(tools):
+            schema = t.get("parameters") or {}
+            required = set(schema.get("required", ()))
+            parts = []
+            for j, (param, spec) in enumerate((schema.get("properties") or {}).items()):
+                string, value, rule = self._value(f"value{i}_{j}", spec)
+                if rule is not None:
+                    rules.append(rule)
+                opening = f'<{tag}parameter name={json.dumps(param)} string="{string}">'
+                part = f"{lit(opening)} {value} {lit(f'</{tag}parameter>' + chr(10))}"
+                parts.append(part if param in required else f"({part})?")
+            invoke = f"<{tag}invoke name={json.dumps(t['name'])}>\n"
+            rules.append(f"call{i}: {lit(invoke)} {' '.join(parts)} {lit(f'</{tag}invoke>')}")
+        calls = " | ".join(f"call{i}" for i in range(len(tools)))
+        repeat = f" ({lit(chr(10))} call)*" if many else ""
+        return (f"start: {lit(self.start + chr(10))} call{repeat} {lit(f'{chr(10)}</{tag}{self.block}>')}\n"
+                f"call: {calls}\n" + "\n".join(rules) + "\n")
+
+
 def format_of(chat_template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template writes; None when it writes none this server knows."""
     template = chat_template or ""
+    dsml = DsmlFormat.of(template)
+    if dsml is not None:
+        return dsml
     if KimiFormat.start in template:
         return KimiFormat()
     if DeepSeekFormat.start in template:

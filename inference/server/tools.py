@@ -130,7 +130,7 @@ def plan_tools(tokenizer, request: ToolRequest) -> ToolPlan | None:
     fmt = format_of(tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None)
     if fmt is None:
         _refuse("tools", "cannot be used with this model: its chat template writes tool calls in no format this "
-                         "server reads back (Qwen3's <tool_call>, DeepSeek's or Kimi's tool-call tokens); "
+                         "server reads back (Qwen3's <tool_call>, DeepSeek's tool-call tokens or DSML, Kimi's sections); "
                          "tool_choice 'none' renders them without reading calls back")
     grammar = None
     if request.choice in ("required", "function"):

@@ -13,7 +13,7 @@ import torch
 
 from inference.engine import InvalidRequestError
 from inference.engine.constraints import TokenConstraint, lark_grammar
-from inference.server.tool_formats import DeepSeekFormat, HermesFormat, KimiFormat, ToolCall, format_of
+from inference.server.tool_formats import DeepSeekFormat, DsmlFormat, HermesFormat, KimiFormat, ToolCall, format_of
 from inference.server.tools import ToolPlan, ToolRequest, ToolStream, _literal, plan_tools, split_reply
 from packtools.tokenizer_synth import build_tokenizer
 
@@ -30,8 +30,15 @@ DEEPSEEK_V31 = """{{ content }}<｜tool▁calls▁begin｜>{% for tool in tool_c
 KIMI_K2 = """{{ content }}<|tool_calls_section_begin|>{% for tool_call in tool_calls %}<|tool_call_begin|>\
 {{ tool_call['id'] }}<|tool_call_argument_begin|>{{ tool_call['function']['arguments'] | tojson }}\
 <|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"""
+# DeepSeek V3.2 and V4 ship their encoding as Python (encoding_dsv4.py); this writes what it writes
+DSML = """{{ content }}<｜DSML｜BLOCK>\n{% for call in tool_calls %}<｜DSML｜invoke name="{{ call.function.name }}">\n\
+{% for k, v in call.function.arguments.items() %}<｜DSML｜parameter name="{{ k }}" \
+string="{{ 'true' if v is string else 'false' }}">{{ v if v is string else v | tojson }}</｜DSML｜parameter>\n\
+{% endfor %}</｜DSML｜invoke>\n{% endfor %}</｜DSML｜BLOCK>"""
 FORMATS = {"qwen3": (QWEN3, HermesFormat()), "deepseek_v3": (DEEPSEEK_V3, DeepSeekFormat(fenced=True)),
-           "deepseek_v31": (DEEPSEEK_V31, DeepSeekFormat(fenced=False)), "kimi_k2": (KIMI_K2, KimiFormat())}
+           "deepseek_v31": (DEEPSEEK_V31, DeepSeekFormat(fenced=False)), "kimi_k2": (KIMI_K2, KimiFormat()),
+           "deepseek_v32": (DSML.replace("BLOCK", "function_calls"), DsmlFormat(block="function_calls")),
+           "deepseek_v4": (DSML.replace("BLOCK", "tool_calls"), DsmlFormat())}
 CALLS = [{"id": "functions.weather:0", "type": "function",
           "function": {"name": "weather", "arguments": {"city": "Oslo", "days": 3}}},
          {"id": "functions.clock:1", "type": "function", "function": {"name": "clock", "arguments": {}}}]
@@ -62,12 +69,20 @@ def test_calls_rendered_by_the_template_read_back(name, content):
 def test_malformed_or_absent_calls_are_content(name):
     template, fmt = FORMATS[name]
     assert fmt.parse("just words") is None
-    broken = render(template, "", CALLS[:1]).replace('"Oslo"', "Oslo")  # arguments no longer JSON
+    broken = render(template, "", CALLS[:1]).replace("3", "3}")  # the arguments (or a value) no longer JSON
     assert fmt.parse(broken) is None
 
 
 def test_hermes_reads_a_call_cut_before_its_closing_tag():
     assert HermesFormat().parse('<tool_call>\n{"name": "clock", "arguments": {}}') == ("", [ToolCall("clock", "{}")])
+
+
+def test_dsml_is_recognized_with_either_bar_and_block():
+    ascii_v4 = format_of(DSML.replace("BLOCK", "tool_calls").replace("｜", "|"))
+    assert (ascii_v4.start, format_of(DSML.replace("BLOCK", "function_calls")).start) == (
+        "<|DSML|tool_calls>", "<｜DSML｜function_calls>")
+    text = render(DSML.replace("BLOCK", "tool_calls").replace("｜", "|"), "", CALLS)
+    assert [c.name for c in ascii_v4.parse(text)[1]] == ["weather", "clock"]
 
 
 def test_a_template_without_tool_calls_has_no_format():
