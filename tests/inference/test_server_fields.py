@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import openai
@@ -286,6 +287,9 @@ def test_request_id_and_tags_reach_the_access_log(server, client):
     reply = chat(client, max_tokens=2, user="alice", safety_identifier="sid-9", metadata={"team": "infra"},
                  prompt_cache_key="conv-3", extra_body={"request_id": "req-42", "cache_salt": "s"})
     assert reply.id == "chatcmpl-req-42"
+    deadline = time.monotonic() + 30  # the line is written after the reply is sent, and read by another thread
+    while not any("chatcmpl-req-42" in line for line in access_lines(server.lines)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     line = next(line for line in access_lines(server.lines) if "chatcmpl-req-42" in line)
     for shown in ("user=alice", "safety_identifier=sid-9", 'metadata="{\\"team\\":\\"infra\\"}"',
                   "prompt_cache_key=conv-3", "prompt_tokens=", "completion_tokens=2"):
