@@ -36,7 +36,7 @@ assert max(int(t) for t in gguf.GGMLQuantizationType) < PACK_TYPE_BASE
 ElementType = enum.IntEnum(  # type: ignore[misc]
     "ElementType",
     [(t.name, int(t)) for t in gguf.GGMLQuantizationType] + list(_PACK_OWN_TYPES.items()),
-    module="packformat.constants",  # where it has always been imported from (pickles name it)
+    module="packformat.constants",  # constants re-exports it: reprs and pickles name that module
 )
 ElementType.__doc__ = "Element type ids of a pack role: GGML's (< 256) and the pack's own (>= 256)."
 
@@ -98,7 +98,9 @@ def _registry(records: Iterable[QuantType]) -> Mapping[ElementType, QuantType]:
     for record in table.values():
         rule = record.scale_rule
         if rule is not None and (rule.scale_type not in table or not table[rule.scale_type].is_scale):
-            raise ValueError(f"{record.element_type.name}: scale type {rule.scale_type.name} is not a registered scale type")
+            raise ValueError(
+                f"{record.element_type.name}: scale type {rule.scale_type.name} is not a registered scale type"
+            )
     return types.MappingProxyType(table)
 
 
@@ -147,7 +149,8 @@ def require_entries(table: str, keys: Collection[int], expected: Iterable[Elemen
     extra = sorted(set(keys) - expected)
     if missing or extra:
         def names(ids):
-            return ", ".join(ElementType(int(i)).name for i in ids) or "none"
+            return ", ".join(ElementType(i).name if i in ElementType._value2member_map_ else str(i)
+                             for i in ids) or "none"
 
         raise LookupError(f"{table} does not match packformat.quant_types.QUANT_TYPES: "
                           f"missing {names(missing)}; not registered {names(extra)}")

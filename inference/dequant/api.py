@@ -24,7 +24,7 @@ from inference.dequant.errors import (
     ShapeError,
     UnsupportedTypeError,
 )
-from inference.dequant.registry import DEQUANTIZERS, TORCH_DEQUANTIZERS
+from inference.dequant.registry import DEQUANTIZERS
 from packformat.constants import SCALED_WEIGHT_TYPES, SUPPORTED_TYPES, ElementType, block_shape
 
 Backend = Literal["auto", "torch", "triton"]

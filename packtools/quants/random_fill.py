@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 
-from packformat.quant_types import block_shape
+from packformat.quant_types import ElementType, block_shape
 from packtools.quants.codec import UnsupportedQuantType, element_type_of
 from packtools.quants.registry import SYNTH_CODECS
 
-RANDOM_BLOCK_TYPES: frozenset = frozenset(SYNTH_CODECS)
+RANDOM_BLOCK_TYPES: frozenset[ElementType] = frozenset(SYNTH_CODECS)
 
 
 def _random_bytes(byte_count: int, rng: np.random.Generator) -> np.ndarray:
