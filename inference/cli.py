@@ -76,8 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-tokens", type=_positive_int, default=None, metavar="TOKENS",
                         help="most tokens one choice may generate: larger requests get 400, requests without "
                              "max_tokens get this (default: no cap but the context)")
+    limits.add_argument("--max-num-seqs", type=int, default=None, metavar="SEQUENCES",
+                        help="choices generated together in the running batch (continuous batching); more "
+                             "requests wait in the queue (default 16)")
+    limits.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                        help="most prompt tokens of one sequence per batch step, so that a long prompt joining "
+                             "the batch holds the running decodes for one chunk at a time (default 512)")
     limits.add_argument("--max-queue", type=int, default=None, metavar="REQUESTS",
-                        help="requests that may wait behind the running one; more get 429 with Retry-After "
+                        help="requests that may wait while the batch is full; more get 429 with Retry-After "
                              "(default 256; 0: no limit)")
     limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="a request running longer than this from its arrival, queue wait included, is "
@@ -113,6 +119,7 @@ def serve_config_from_args(args: argparse.Namespace):
         "storaged": args.storaged, "storaged_model": args.storaged_model, "host": args.host, "port": args.port,
         "model_name": args.model_name, "shutdown_timeout": args.shutdown_timeout,
         "max_model_len": args.max_model_len, "max_tokens": args.max_tokens, "max_queue": args.max_queue,
+        "max_num_seqs": args.max_num_seqs, "prefill_chunk": args.prefill_chunk,
         "request_timeout": args.request_timeout, "stall_timeout": args.stall_timeout,
         "generation_config": args.generation_config,
         "api_keys": tuple(args.api_key) if args.api_key else None, "api_key_file": args.api_key_file,

@@ -41,34 +41,44 @@ class _Arrival:
         self.done = False
 
 
+_member_of = threading.local()  # .rendezvous: the step whose forward this thread is running, if any
+
+
+class _Gather:
+    """Set on every experts binding: sends the experts calls of a thread that is running a batch
+    step's forward to that step's rendezvous; every other call (a forward alone) goes on as usual."""
+
+    def joined(self) -> bool:
+        return getattr(_member_of, "rendezvous", None) is not None
+
+    def forward(self, module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return _member_of.rendezvous.forward(module, hidden, index, weights)
+
+
+GATHER = _Gather()
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route the experts calls of batch-step threads of `model` through their rendezvous."""
+    for _, module in experts_modules(model).values():
+        binding = getattr(module, BINDING_ATTRIBUTE, None)
+        if binding is not None:
+            binding.gather = GATHER
+
+
 class ExpertsRendezvous:
     """Where the forwards of one step meet at each MoE layer. `open(n)` before starting n forwards,
     each inside `member()`; a forward that ends (or fails) leaves, so the others never wait for it."""
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._local = threading.local()
         self._members = 0  # forwards of the step still running
         self._arrived: list[_Arrival] = []
-
-    @classmethod
-    def install(cls, model: torch.nn.Module) -> ExpertsRendezvous:
-        """A rendezvous set on every bound experts module of `model`."""
-        rendezvous = cls()
-        for _, module in experts_modules(model).values():
-            binding = getattr(module, BINDING_ATTRIBUTE, None)
-            if binding is not None:
-                binding.gather = rendezvous
-        return rendezvous
 
     def open(self, members: int) -> None:
         with self._cond:
             assert self._members == 0 and not self._arrived, "a step is already open"
             self._members = members
-
-    def joined(self) -> bool:
-        """Whether this thread's experts calls go through the rendezvous (a member, not running the union)."""
-        return getattr(self._local, "member", False)
 
     def member(self) -> _Membership:
         return _Membership(self)
@@ -107,13 +117,13 @@ class ExpertsRendezvous:
             if any(a.module is not module for a in batch):
                 names = sorted({type(a.module).__name__ + f"@{id(a.module):x}" for a in batch})
                 raise BatchDivergedError(f"the forwards of a batch step met at different experts modules: {names}")
-            was_member, self._local.member = self.joined(), False
-            try:
+            was, _member_of.rendezvous = getattr(_member_of, "rendezvous", None), None
+            try:  # as a plain call: this thread runs the union
                 output = expertpack_experts_forward(module, torch.cat([a.hidden for a in batch]),
                                                     torch.cat([a.index for a in batch]),
                                                     torch.cat([a.weights for a in batch]))
             finally:
-                self._local.member = was_member
+                _member_of.rendezvous = was
             rows = output.split([a.hidden.shape[0] for a in batch])
             for arrival, part in zip(batch, rows):
                 arrival.output = part
@@ -131,10 +141,10 @@ class _Membership:
         self.rendezvous = rendezvous
 
     def __enter__(self):
-        self.rendezvous._local.member = True
+        _member_of.rendezvous = self.rendezvous
 
     def __exit__(self, *exc):
-        self.rendezvous._local.member = False
+        _member_of.rendezvous = None
         self.rendezvous._leave()
 
 
@@ -144,7 +154,8 @@ class BatchStepper:
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int):
         self.max_num_seqs = max_num_seqs
-        self.rendezvous = ExpertsRendezvous.install(model)
+        install(model)
+        self.rendezvous = ExpertsRendezvous()
         self._pool: ThreadPoolExecutor | None = None  # started with the first batch of two
 
     def step(self, sequences: Seq) -> dict[object, BaseException]:

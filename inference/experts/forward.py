@@ -65,8 +65,8 @@ class ExpertsBinding:
     use_fused_kernels: bool = False
     lookup: DeviceLookup | None = None
     predict: object | None = None  # inference.experts.lookahead.NextLayerPredictor
-    # inference.engine.batch.ExpertsRendezvous: where the forwards of a batch step meet, so that
-    # each MoE layer runs once over the union of their tokens (and acquires once)
+    # inference.engine.batch.GATHER: sends the call of a batch step's forward to where the step's
+    # forwards meet, so that each MoE layer runs once over the union of their tokens (one acquire)
     gather: object | None = None
 
 
