@@ -169,6 +169,9 @@ class Scheduler:
         source = self.engine.expert_source
         wait_before = source_hooks.expert_wait_seconds(source)
         failed = self.stepper.step([sequence for _, sequence in running])
+        shared = next((e for e in failed.values() if source_hooks.find_unavailable(e, source) is not None), None)
+        if shared is not None:  # the source every forward shares went away (or revoked the step): all void
+            failed = {sequence: failed.get(sequence, shared) for _, sequence in running}
         wait_after = source_hooks.expert_wait_seconds(source)
         if wait_before is not None and wait_after is not None and wait_after > wait_before:
             self.metrics.expert_wait_seconds.inc(wait_after - wait_before)

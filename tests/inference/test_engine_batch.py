@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
-from test_engine_fixtures import loaded, qwen_bundle, tiny_bundle  # noqa: F401
+from test_engine_fixtures import FlakyDaemonSource, loaded, qwen_bundle, tiny_bundle  # noqa: F401
 
-from inference.engine import Engine, Finished, SamplingParams, TextDelta
+from inference.engine import Engine, ExpertSourceUnavailableError, Finished, SamplingParams, TextDelta
 from inference.engine.batch import BatchStepper
 from inference.engine.generate import ModelRunner
 from inference.experts import LocalPackSource
@@ -138,3 +138,28 @@ def test_a_sequence_alone_does_not_wait_for_anyone(loaded):
     assert stepper._pool is None  # no thread pool for one sequence
     expected = runner.run([1, 5, 9], greedy(3), emit=lambda e: None)
     assert tuple(sequence.tokens) == expected.token_ids
+
+
+def test_the_source_going_away_mid_batch_fails_every_request_of_the_step_then_recovers(qwen_bundle):
+    with load_model(qwen_bundle, device="cpu", dtype=torch.float32, expert_source=FlakyDaemonSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=4)
+        source = model.expert_source
+        try:
+            requests = prompts(engine.runner.vocab_size)[:3]
+
+            async def one(prompt_ids):
+                try:
+                    return [e async for e in engine.stream(prompt_ids, greedy(40))]
+                except ExpertSourceUnavailableError as exc:
+                    return exc
+
+            async def all_at_once():
+                return await asyncio.gather(*(one(p) for p in requests))
+            source.fail_after = source.acquires + 2 * 6  # two MoE layers: six steps succeed
+            outcomes = asyncio.run(all_at_once())
+            assert all(isinstance(o, ExpertSourceUnavailableError) for o in outcomes), outcomes
+            source.up = True
+            assert [len(f.token_ids) for f in run_together(engine, prompts(engine.runner.vocab_size))] == \
+                list(MAX_TOKENS)
+        finally:
+            engine.close()
