@@ -227,10 +227,6 @@ class Engine:
         """Requests started and not ended (some of their choices may wait for room in the batch)."""
         return len(self._scheduler.runs)
 
-    @property
-    def max_num_seqs(self) -> int:
-        return self._scheduler.max_num_seqs
-
     def close(self, timeout: float = 30.0) -> None:
         """Fail queued requests, cancel the running ones, and stop the worker."""
         self._closed = True
