@@ -132,8 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-tokens", type=_positive_int, default=None, metavar="TOKENS",
                         help="most tokens one choice may generate: larger requests get 400, requests without "
                              "max_tokens get this (default: no cap but the context)")
+    limits.add_argument("--max-num-seqs", type=int, default=None, metavar="SEQUENCES",
+                        help="choices generated together in the running batch (continuous batching); more "
+                             "requests wait in the queue (default 16)")
+    limits.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                        help="most prompt tokens of one sequence per batch step, so that a long prompt joining "
+                             "the batch holds the running decodes for one chunk at a time (default 512)")
     limits.add_argument("--max-queue", type=int, default=None, metavar="REQUESTS",
-                        help="requests that may wait behind the running one; more get 429 with Retry-After "
+                        help="requests that may wait while the batch is full; more get 429 with Retry-After "
                              "(default 256; 0: no limit)")
     limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="a request running longer than this from its arrival, queue wait included, is "

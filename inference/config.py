@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from inference.engine.params import SamplingParams
+from inference.engine.scheduler import DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
 from inference.model import LoadedModel, load_model
@@ -36,6 +37,7 @@ LOG_FORMATS = ("text", "json")
 GENERATION_CONFIG_CHOICES = ("auto", "none")
 API_KEY_ENV = "INFERENCE_API_KEY"
 DEFAULT_MAX_QUEUE = 256
+MAX_NUM_SEQS_LIMIT = 256
 
 
 class ConfigError(ValueError):
@@ -123,7 +125,9 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # how long in-flight requests may run on after SIGTERM
     max_model_len: int | None = None  # the context the server allows (at most the model's)
     max_tokens: int | None = None  # server-side cap on a request's max_tokens, and its default
-    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond the running one; more get 429; 0: no limit
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting while the batch is full; more get 429; 0: no limit
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # choices generated together in the running batch
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # most prompt tokens of a sequence in one batch step
     request_timeout: float = 0.0  # seconds from arrival, queue wait included; 0: no limit
     stall_timeout: float = 60.0  # /health is 503 once the busy worker made no progress this long; 0: never
     generation_config: str = "auto"  # "auto": the bundle's generation_config.json sampling defaults
@@ -147,6 +151,11 @@ class ServeConfig:
             raise ConfigError("shutdown_timeout", shutdown, "expected seconds between 0 and 3600")
         for field in ("max_model_len", "max_tokens"):
             _positive_int(field, getattr(self, field))
+        for field in ("max_num_seqs", "prefill_chunk"):
+            _positive_int(field, getattr(self, field), optional=False)
+        if self.max_num_seqs > MAX_NUM_SEQS_LIMIT:
+            raise ConfigError("max_num_seqs", self.max_num_seqs, f"expected at most {MAX_NUM_SEQS_LIMIT} (one "
+                              "thread per sequence runs its forward)")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ConfigError("max_queue", self.max_queue, "expected a number of requests (0: no limit)")
         if self.max_model_len is not None and self.max_tokens is not None and self.max_tokens >= self.max_model_len:

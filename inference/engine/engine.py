@@ -1,10 +1,12 @@
-"""Engine: one model, requests queued FIFO and generated one at a time on a single worker thread.
+"""Engine: one model, requests queued FIFO and generated in a continuous batch by one worker thread.
 
-Every torch call happens on the worker thread; callers submit from any thread and receive
-events through a sink (an asyncio queue for `stream`, a plain queue for `generate`). Requests
-never fail because others are running: they wait their turn, up to `max_queue` of them (more
+The worker schedules (inference.engine.scheduler): up to `max_num_seqs` choices run together,
+each joining and leaving the batch at a token boundary, their forwards run in lockstep on a
+thread pool (inference.engine.batch). Callers submit from any thread and receive events through
+a sink (an asyncio queue for `stream`, a plain queue for `generate`). Requests never fail because
+others are running: when the batch is full they wait their turn, up to `max_queue` of them (more
 are refused with QueueFullError), each for at most `request_timeout` seconds from submission
-(RequestTimeoutError). A request's choices (n > 1, or several prompts) run one after another.
+(RequestTimeoutError). A request's choices (n > 1, or several prompts) run as separate sequences.
 
 When the expert source reports itself unavailable (storaged down or restarting) the request in
 flight fails with ExpertSourceUnavailableError, the engine asks the source to reconnect, and
@@ -36,19 +38,17 @@ from inference.engine.errors import (
     ExpertDataLossError,
     ExpertSourceUnavailableError,
     QueueFullError,
-    RequestTimeoutError,
 )
 from inference.engine.events import async_events, blocking_events
 from inference.engine.generate import FINISH_CANCELLED, ModelRunner, context_length_of, eos_token_ids
 from inference.engine.job import Choice, Job, Sink
 from inference.engine.metrics import EngineMetrics
 from inference.engine.params import GenerationEvent, SamplingParams
+from inference.engine.scheduler import DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, Scheduler
 from inference.engine.tokenizer_guard import SerializedTokenizer
 
 log = logging.getLogger(__name__)
 
-FINISH_TIMEOUT, FINISH_ERROR = "timeout", "error"  # finish reasons of the metrics only
-SERVICE_TIME_WEIGHT = 0.2  # of the latest request in the moving average of run times
 DEFAULT_STALL_TIMEOUT = 60.0  # half of ops/systemd/inference.service's WatchdogSec
 
 
@@ -85,7 +85,8 @@ def context_limit(model_context: int | None, max_model_len: int | None) -> int |
 class Engine:
     def __init__(self, runner: ModelRunner, expert_source, *, metrics: EngineMetrics | None = None,
                  max_queue: int | None = None, request_timeout: float | None = None,
-                 stall_timeout: float | None = DEFAULT_STALL_TIMEOUT):
+                 stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         self.runner = runner
         self.expert_source = expert_source
         self.metrics = metrics if metrics is not None else EngineMetrics()
@@ -96,7 +97,6 @@ class Engine:
         self._closed = False
         self._unavailable_reason: str | None = None  # set while the source is known to be down
         self._reconnect_pending = threading.Event()
-        self._current: Job | None = None
         self._waiting = 0  # jobs queued, not yet taken by the worker
         self._waiting_lock = threading.Lock()
         self._busy = False
@@ -105,14 +105,16 @@ class Engine:
         self._progress_at = time.monotonic()  # the worker's last step, request start or end
         self._waited_seen: float | None = None  # stalled_for(): the expert wait total it last saw...
         self._waited_moved_at = self._progress_at  # ...and when it last saw it grow (inside a long step)
-        self._mean_service_seconds = 1.0  # moving average of a request's run time: a 429's Retry-After
+        self._scheduler = Scheduler(self, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
         self._worker = threading.Thread(target=self._work, name="inference-engine", daemon=True)
         self._worker.start()
 
     @classmethod
     def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, max_model_len: int | None = None,
                     max_queue: int | None = None, request_timeout: float | None = None,
-                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, static_cache_len: int = 0) -> Engine:
+                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, static_cache_len: int = 0,
+                    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> Engine:
         """An engine for an inference.model.LoadedModel (static_cache_len: see ModelRunner)."""
         if loaded.tokenizer is None:
             raise EngineError(f"bundle {loaded.bundle.path} has no tokenizer; text generation needs one")
@@ -123,7 +125,8 @@ class Engine:
         if runner.decoder is not None:  # before the server reports ready, not in the first request
             runner.decoder.prepare()
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
-                   request_timeout=request_timeout, stall_timeout=stall_timeout)
+                   request_timeout=request_timeout, stall_timeout=stall_timeout, max_num_seqs=max_num_seqs,
+                   prefill_chunk=prefill_chunk)
 
     @property
     def tokenizer(self):
@@ -153,7 +156,7 @@ class Engine:
         with self._waiting_lock:
             if self.max_queue is not None and self._waiting >= self.max_queue:
                 self.metrics.queue_full.inc()
-                raise QueueFullError(request_id, self.max_queue, self._mean_service_seconds)
+                raise QueueFullError(request_id, self.max_queue, self._scheduler.mean_service_seconds)
             self._waiting += 1
             self.metrics.queue_depth.inc()
         self._jobs.put(job)
@@ -223,10 +226,11 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return 0 if self._current is None else 1
+        """Requests started and not ended (some of their choices may wait for room in the batch)."""
+        return len(self._scheduler.runs)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Fail queued requests, cancel the running one, and stop the worker."""
+        """Fail queued requests, cancel the running ones, and stop the worker."""
         self._closed = True
         while True:
             try:
@@ -235,12 +239,9 @@ class Engine:
                 break
             if isinstance(item, Job):
                 self._dequeued()
-                self._end_unstarted(item, FINISH_CANCELLED,
-                                    EngineClosedError(f"request {item.request_id}: the engine shut down before it ran"))
-        current = self._current
-        if current is not None:
-            current.cancel()
-        self._jobs.put(_STOP)
+                self.end_unstarted(item, FINISH_CANCELLED,
+                                   EngineClosedError(f"request {item.request_id}: the engine shut down before it ran"))
+        self._jobs.put(_STOP)  # the worker cancels what runs
         self._worker.join(timeout)
 
     # --- the worker -------------------------------------------------------------------------
@@ -255,47 +256,68 @@ class Engine:
             self._waiting -= 1
             self.metrics.queue_depth.dec()
 
+    def _next_item(self):
+        """The next queued item: waited for when nothing runs; taken only if there is one and the
+        batch has room while something runs; None then."""
+        scheduler = self._scheduler
+        if not scheduler.busy:
+            return self._jobs.get()
+        if not scheduler.has_room() and not self._closed:  # closing: find the stop instruction now
+            return None
+        try:
+            return self._jobs.get_nowait()
+        except queue.Empty:
+            return None
+
     def _work(self) -> None:
+        scheduler = self._scheduler
         while True:
-            item = self._jobs.get()
+            item = self._next_item()
             if item is _STOP:
+                scheduler.stop_all()
                 return
             self._busy = True
             self._progress_at = time.monotonic()
-            try:
-                if item is _RECONNECT:
-                    self._reconnect_pending.clear()
-                    if self._unavailable_reason is not None or self._connection_lost():
-                        self._try_reconnect()
-                    continue
+            if item is _RECONNECT:
+                self._reconnect_pending.clear()
+                if self._unavailable_reason is not None or self._connection_lost():
+                    self._try_reconnect()
+            elif item is not None:
                 self._dequeued()
                 if item.cancelled:
-                    self._end_unstarted(item, FINISH_CANCELLED, None)
-                    continue
-                self._current = item
+                    self.end_unstarted(item, FINISH_CANCELLED, None)
+                else:
+                    scheduler.start(item)
+                self._busy = scheduler.busy
+                continue  # take what else waits while there is room, then step
+            if scheduler.busy:
+                self._steps += 1
                 try:
-                    self._run(item)
+                    scheduler.step()
                 except Exception as exc:  # a bug here must not kill the only worker and hang every request
-                    log.exception("request %s: engine failure", item.request_id)
-                    item.sink(EngineInternalError(item.request_id, exc))
-                finally:
-                    self._current = None
-                    self._ended += 1
-                    self._progress_at = time.monotonic()
-            finally:
-                self._busy = False
+                    log.exception("engine failure in a batch step")
+                    for run in list(scheduler.runs):
+                        scheduler.fail_internal(run, exc)
+                self._progress_at = time.monotonic()
+            self._busy = scheduler.busy
 
-    def _should_stop(self, job: Job) -> bool:
-        """Polled by the generation loop once per step: a heartbeat, and the cancel/timeout check."""
-        self._steps += 1
+    def job_ended(self) -> None:
+        self._ended += 1
         self._progress_at = time.monotonic()
-        return job.cancelled or job.timed_out()
 
-    def _end_unstarted(self, job: Job, reason: str, error: EngineError | None) -> None:
+    def end_unstarted(self, job: Job, reason: str, error: EngineError | None) -> None:
         self.metrics.record_finish(reason, len(job.choices))
         self.metrics.e2e_latency.observe(time.monotonic() - job.submitted_at)
+        self.job_ended()
         if error is not None:
             job.sink(error)
+
+    def source_problem(self, job: Job) -> EngineError | None:
+        """Before a request starts: None when the expert source is usable (reconnected first when
+        it was lost), else the error to end the request with."""
+        if (self._unavailable_reason is not None or self._connection_lost()) and not self._try_reconnect():
+            return self._unavailable_error(job, self._unavailable_reason, None)
+        return None
 
     def _connection_lost(self) -> bool:
         """Whether the source's connection is gone (then it is the reason until a reconnect)."""
@@ -340,59 +362,9 @@ class Engine:
             return ExpertCapacityExhaustedError(job.request_id)
         return None
 
-    def _run(self, job: Job) -> None:
-        if job.timed_out():
-            self._end_unstarted(job, FINISH_TIMEOUT, RequestTimeoutError(job.request_id, job.timeout, waiting=True))
-            return
-        if (self._unavailable_reason is not None or self._connection_lost()) and not self._try_reconnect():
-            self._end_unstarted(job, FINISH_ERROR, self._unavailable_error(job, self._unavailable_reason, None))
-            return
-        job.started_at = time.monotonic()
-        self.metrics.queue_time.observe(job.started_at - job.submitted_at)
-        source = self.expert_source
-        wait_before = source_hooks.expert_wait_seconds(source)
-        self.metrics.running.inc()
-        last_event: object = None
-        try:
-            last_event = self._run_choices(job)
-        finally:
-            # metrics first: whoever receives the last event may read them at once
-            self.metrics.running.dec()
-            wait_after = source_hooks.expert_wait_seconds(source)
-            if wait_before is not None and wait_after is not None and wait_after > wait_before:
-                self.metrics.expert_wait_seconds.inc(wait_after - wait_before)
-            ended = time.monotonic()
-            self.metrics.e2e_latency.observe(ended - job.submitted_at)
-            self._mean_service_seconds += SERVICE_TIME_WEIGHT * (ended - job.started_at - self._mean_service_seconds)
-        if last_event is not None:
-            job.sink(last_event)
-
-    def _run_choices(self, job: Job) -> object:
-        """Generate the job's choices in order; returns the event that ends it (sent after the metrics)."""
-        for index, choice in enumerate(job.choices):
-            left = len(job.choices) - index - 1
-            try:
-                outcome = self.runner.run(choice.prompt_ids, choice.params, emit=job.sink,
-                                          cancelled=lambda: self._should_stop(job), submitted_at=job.submitted_at,
-                                          index=index)
-            except Exception as exc:
-                self.metrics.record_finish(FINISH_ERROR, 1 + left)
-                return self._failure(job, exc)
-            if index == 0 and outcome.time_to_first_token is not None:
-                self.metrics.time_to_first_token.observe(outcome.time_to_first_token)
-            if outcome.finish_reason == FINISH_CANCELLED:
-                timed_out = job.timed_out() and not job.cancelled
-                reason = FINISH_TIMEOUT if timed_out else FINISH_CANCELLED
-                self.metrics.record_choice(outcome, reason)
-                self.metrics.record_finish(reason, left)
-                return RequestTimeoutError(job.request_id, job.timeout, waiting=False) if timed_out else outcome
-            self.metrics.record_choice(outcome)
-            if not left:
-                return outcome
-            job.sink(outcome)
-        raise AssertionError("unreachable: the last choice returns")
-
-    def _failure(self, job: Job, error: Exception) -> EngineError:
+    def failure(self, job: Job, error: Exception) -> EngineError:
+        """The error a request that failed with `error` ends with: the expert source unavailable
+        (then reconnected once), data loss or a full cache, or an internal error."""
         source = self.expert_source
         unavailable = source_hooks.find_unavailable(error, source)
         if unavailable is None:

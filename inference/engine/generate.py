@@ -1,4 +1,4 @@
-"""The generation loop of one request: prefill, then one token at a time with the model's KV cache.
+"""A loaded model and its tokenizer: request checks, the model forward, and one request's generation loop.
 
 Sampling is ours (inference.engine.sampling, vLLM's semantics), not transformers' generate, so
 seed, penalties and stop conditions mean what an OpenAI client expects. The loop is synchronous
@@ -8,18 +8,16 @@ and runs on whichever thread calls it (the engine's worker, or the CLI's main th
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-from inference.engine.constraints import TokenConstraint
 from inference.engine.errors import InvalidRequestError
-from inference.engine.params import Finished, SamplingParams, TextDelta, Usage
-from inference.engine.sampling import TokenSampler
-from inference.engine.text import IncrementalDecoder, StopMatcher
+from inference.engine.params import Finished, SamplingParams, TextDelta
+from inference.engine.sequence import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Sequence
 
-FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+__all__ = ["FINISH_CANCELLED", "FINISH_LENGTH", "FINISH_STOP", "ModelRunner", "context_length_of",
+           "eos_token_ids"]
 
 
 def eos_token_ids(tokenizer, generation_config) -> frozenset[int]:
@@ -52,7 +50,7 @@ def _cache_of(output):
 
 
 class ModelRunner:
-    """A loaded model and its tokenizer, generating for one request at a time."""
+    """A loaded model and its tokenizer; a request generates through a Sequence (alone: `run`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, eos_ids: Iterable[int], context_length: int | None,
                  expert_source=None, static_cache_len: int = 0):
@@ -108,7 +106,7 @@ class ModelRunner:
                                       param="max_tokens")
         return max(1, self.context_length - len(prompt_ids))
 
-    def _forward(self, input_ids: torch.Tensor, cache) -> tuple[torch.Tensor, object]:
+    def forward(self, input_ids: torch.Tensor, cache) -> tuple[torch.Tensor, object]:
         """Logits of the last position [V] and the (updated) cache."""
         kwargs = {"use_cache": True}
         if cache is not None:
@@ -122,66 +120,30 @@ class ModelRunner:
         """The token ids that end this request: EOS (unless ignore_eos) and its stop_token_ids."""
         return (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
 
+    def sequence(self, prompt_ids: list[int], params: SamplingParams, *, emit: Callable[[TextDelta], None],
+                 submitted_at: float | None = None, index: int = 0, static: bool = True,
+                 prefill_chunk: int | None = None) -> Sequence:
+        """A Sequence of this request; on the static decoder when `static`, there is one, and it fits.
+        The static decoder has one cache: the caller lets at most one sequence at a time have it."""
+        decoder = self.decoder if static and self.decoder is not None and self.decoder.fits(
+            len(prompt_ids), params.max_tokens) else None
+        return Sequence(self, prompt_ids, params, emit=emit, index=index, submitted_at=submitted_at,
+                        static=decoder, prefill_chunk=prefill_chunk)
+
     def run(self, prompt_ids: list[int], params: SamplingParams, *, emit: Callable[[TextDelta], None],
             cancelled: Callable[[], bool] = lambda: False, submitted_at: float | None = None,
             index: int = 0) -> Finished:
-        """Generate for one request, calling `emit` with each piece of safe text; returns its end.
+        """Generate for one request alone, calling `emit` with each piece of safe text; returns its end.
 
         `cancelled` is polled once per step; `index` is the choice the events belong to.
         Exceptions from the model (an expert source failing included) propagate unchanged.
         """
-        started = time.monotonic()
-        submitted_at = started if submitted_at is None else submitted_at
-        decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        stops = StopMatcher(params.stop)
-        stop_ids = self.stop_ids(params)
-        tokens: list[int] = []
-        token_times: list[float] = []
-        logprobs: list = []
-        reported = 0  # logprobs entries already sent with a delta
-        finish_reason, matched_stop = FINISH_LENGTH, False
-        static = self.decoder if self.decoder is not None and self.decoder.fits(
-            len(prompt_ids), params.max_tokens) else None
+        sequence = self.sequence(prompt_ids, params, emit=emit, submitted_at=submitted_at, index=index)
         with torch.inference_mode():
-            constraint = (TokenConstraint(self.tokenizer, params.grammar, stop_ids)
-                          if params.grammar is not None else None)
-            sampler = TokenSampler(params, prompt_ids, device=self.device, stop_ids=stop_ids, constraint=constraint)
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-            cache = None
-            while len(tokens) < params.max_tokens:
+            while not sequence.done:
                 if cancelled():
-                    finish_reason = FINISH_CANCELLED
+                    sequence.cancel()
                     break
-                if static is not None:  # static cache: prefill, then one step per token
-                    logits = static.step(tokens[-1]) if tokens else static.start(prompt_ids)  # [V]
-                else:
-                    logits, cache = self._forward(input_ids, cache)  # [V]
-                token, entry = sampler.step(logits)
-                tokens.append(token)
-                token_times.append(time.monotonic())
-                if entry is not None:
-                    logprobs.append(entry)
-                if token in stop_ids:
-                    finish_reason = FINISH_STOP
-                    break
-                safe, matched_stop = stops.add(decoder.push(token), search=len(tokens) > params.min_tokens)
-                if safe:
-                    emit(TextDelta(safe, index, tuple(logprobs[reported:]), len(tokens)))
-                    reported = len(logprobs)
-                if matched_stop or (constraint is not None and constraint.finished):
-                    finish_reason = FINISH_STOP
-                    break
-                input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
-        if not matched_stop:  # release what the decoder and the stop matcher still hold
-            safe, matched_stop = stops.add(decoder.flush(), search=len(tokens) > params.min_tokens)
-            tail = safe if matched_stop else safe + stops.finish()
-            if matched_stop:
-                finish_reason = FINISH_STOP
-            if tail and finish_reason != FINISH_CANCELLED:
-                emit(TextDelta(tail, index, tuple(logprobs[reported:]), len(tokens)))
-        ended = time.monotonic()
-        ttft = None if not token_times else token_times[0] - submitted_at
-        gaps = tuple(b - a for a, b in zip(token_times, token_times[1:]))
-        return Finished(finish_reason, stops.text, Usage(len(prompt_ids), len(tokens)), tuple(tokens),
-                        ttft, ended - started, index, tuple(logprobs) if params.logprobs is not None else None,
-                        gaps)
+                sequence.forward()
+                sequence.advance()
+        return sequence.finish()

@@ -1,8 +1,9 @@
 """Prometheus metrics of one engine and its HTTP front end, in their own CollectorRegistry.
 
-Every series carries a `model` label (the served model's name). Generation speed over any window
-is rate(generated_tokens_total) / rate(decode_seconds_total); the inter-token latency histogram
-gives its distribution.
+Every series carries a `model` label (the served model's name). Throughput over any window is
+rate(generated_tokens_total); one choice's generation speed is rate(generated_tokens_total) /
+rate(decode_seconds_total) (choices batched together each count their own seconds); the
+inter-token latency histogram gives its distribution.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class EngineMetrics:
                                              "generated tokens of a choice", ITL_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generated_tokens = counter("generated_tokens", "Tokens generated")
-        self.decode_seconds = counter("decode_seconds", "Seconds the worker spent generating (prefill and "
-                                      "decode steps)")
+        self.decode_seconds = counter("decode_seconds", "Seconds choices spent generating (prefill and "
+                                      "decode steps), summed over choices: batched choices overlap")
         self.expert_wait_seconds = counter("expert_wait_seconds", "Seconds spent waiting for the expert source's "
                                            "acquire (when the source reports it)")
         self.expert_source_unavailable = counter("expert_source_unavailable", "Requests failed because the "

@@ -21,6 +21,10 @@ chosen per call:
   expert; acquire; dequantize each weight for all experts at once (LayerPlan.materialize); per
   expert, exactly the ops of transformers' eager forward, in its order (one expert at a time,
   ascending expert id, prefill and decode alike), so float32 results equal it bit for bit.
+
+Inside a batch step (inference.engine.batch) the call first waits for the other sequences'
+forwards to reach the same layer; one call then runs over all their tokens, on one of the paths
+above.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class ExpertsBinding:
     use_fused_kernels: bool = False
     lookup: DeviceLookup | None = None
     predict: object | None = None  # inference.experts.lookahead.NextLayerPredictor
+    # inference.engine.batch.GATHER: sends the call of a batch step's forward to where the step's
+    # forwards meet, so that each MoE layer runs once over the union of their tokens (one acquire)
+    gather: object | None = None
 
 
 def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -71,6 +78,8 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     binding: ExpertsBinding | None = getattr(self, BINDING_ATTRIBUTE, None)
     if binding is None:
         raise UnboundExpertsError(type(self).__name__)
+    if binding.gather is not None and binding.gather.joined():
+        return binding.gather.forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     if tokens == 0:
         return torch.zeros_like(hidden_states)

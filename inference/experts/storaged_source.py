@@ -151,6 +151,9 @@ class StoragedExpertSource:
         self._session: Session | None = None
         self._resident_fence = None  # the step fence this source opened for resident_lookup, while open
         self._resident: ResidentLookup | None = None
+        # the model's forward hook ends the resident step; the forwards of a batch step
+        # (inference.engine.batch) run on several threads and each ends it: only the first may
+        self._resident_end_lock = threading.Lock()
         self._connect(connect_timeout)
 
     # --- connection -----------------------------------------------------------------------------
@@ -390,12 +393,13 @@ class StoragedExpertSource:
         """Wait for the device work queued under the open resident step, then mark it finished
         (nothing to do when none is open). Raises ResidentStepRevokedError when the daemon stopped
         waiting for it: that work may have read overwritten slots, its results must not be used."""
-        if self._resident_fence is None:
-            return
-        session = self._session
-        if session is not None and session.arena.device.type == "cuda":
-            torch.cuda.current_stream(session.arena.device).synchronize()
-        self._finish_resident_step()
+        with self._resident_end_lock:
+            if self._resident_fence is None:
+                return
+            session = self._session
+            if session is not None and session.arena.device.type == "cuda":
+                torch.cuda.current_stream(session.arena.device).synchronize()
+            self._finish_resident_step()
 
     def _finish_resident_step(self) -> None:
         # the caller synchronized the device: the step's work has completed

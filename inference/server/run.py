@@ -42,7 +42,8 @@ def _load_in_background(config: ServeConfig, metrics: EngineMetrics) -> concurre
                                         max_model_len=config.max_model_len, max_queue=config.max_queue or None,
                                         request_timeout=config.request_timeout or None,
                                         stall_timeout=config.stall_timeout or None,
-                                        static_cache_len=config.model.static_cache_len)
+                                        static_cache_len=config.model.static_cache_len,
+                                        max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk)
             future.set_result(engine)
         except BaseException as exc:  # reported by the serving loop
             future.set_exception(exc)

@@ -110,12 +110,15 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
     (tmp_path / "keys").write_text("from-file\n")
     (tmp_path / "inference.toml").write_text(
         'bundle = "bundles/qwen"\nstoraged = "/run/expertpack/storaged.sock"\nport = 8100\nmax_tokens = 512\n'
-        'max_queue = 0\nrequest_timeout = 600\napi_key_file = "keys"\nallowed_origins = ["*"]\nlog_format = "json"\n')
+        'max_queue = 0\nrequest_timeout = 600\napi_key_file = "keys"\nallowed_origins = ["*"]\nlog_format = "json"\n'
+        'max_num_seqs = 4\nprefill_chunk = 128\n')
     config = serve_config("--config", str(tmp_path / "inference.toml"), "--port", "8200", "--api-key", "from-flag",
                           "--local")
     assert config.model.bundle == tmp_path / "bundles" / "qwen"  # relative to the file
     assert config.model.storaged is None  # --local wins over the file
     assert (config.port, config.max_tokens, config.max_queue, config.request_timeout) == (8200, 512, 0, 600)
+    assert (config.max_num_seqs, config.prefill_chunk) == (4, 128)
+    assert serve_config("--config", str(tmp_path / "inference.toml"), "--max-num-seqs", "2").max_num_seqs == 2
     assert config.api_keys == ("from-flag", "from-file") and config.allowed_origins == ("*",)
     assert config.log_format == "json" and config.served_model_name == "qwen"
     assert "from-flag" not in repr(config)  # keys stay out of logs
@@ -126,6 +129,10 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, file, message", [
     (["--bundle", "b", "--max-queue", "-1"], None, "'max_queue' = -1"),
     (["--bundle", "b", "--request-timeout", "-5"], None, "'request_timeout' = -5"),
+    (["--bundle", "b", "--max-num-seqs", "0"], None, "'max_num_seqs' = 0"),
+    (["--bundle", "b", "--max-num-seqs", "1000"], None, "'max_num_seqs' = 1000"),
+    (["--bundle", "b", "--prefill-chunk", "-1"], None, "'prefill_chunk' = -1"),
+    ([], "bundle = 'b'\nmax_num_seqs = 2.5\n", "'max_num_seqs' = 2.5"),
     (["--bundle", "b", "--max-model-len", "64", "--max-tokens", "64"], None, "'max_tokens' = 64"),
     (["--bundle", "b", "--api-key-file", "/nonexistent/keys"], None, "'api_key_file'"),
     ([], None, "'bundle' is required"),

@@ -68,11 +68,12 @@ def test_concurrent_streams_all_finish_with_their_own_tokens(engine, prompt_ids)
     assert sample("queue_depth", engine) == 0 and sample("requests_running", engine) == 0
 
 
-def test_requests_run_one_at_a_time_in_submission_order(engine, prompt_ids):
+def test_with_one_sequence_requests_run_one_at_a_time_in_submission_order(limited, prompt_ids):
+    engine = limited(max_num_seqs=1)
     ends: queue.SimpleQueue = queue.SimpleQueue()
     names = ["a", "b", "c", "d"]
-    for name in names:
-        engine.submit(prompt_ids, SamplingParams(max_tokens=10, temperature=0),
+    for tokens, name in zip((12, 3, 9, 1), names):  # one at a time: ends in order whatever the lengths
+        engine.submit(prompt_ids, SamplingParams(max_tokens=tokens, temperature=0),
                       lambda event, name=name: isinstance(event, Finished) and ends.put(name), request_id=name)
     assert [ends.get(timeout=30) for _ in names] == names
 
@@ -177,7 +178,7 @@ def test_expert_wait_seconds_come_from_the_source_hook(flaky, prompt_ids):
 
 
 def test_close_fails_queued_requests_and_refuses_new_ones(loaded, prompt_ids):
-    closing = Engine.from_loaded(loaded)
+    closing = Engine.from_loaded(loaded, max_num_seqs=1)  # the second one waits
     outcomes: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in ("long", "queued")}
     closing.submit(prompt_ids, SamplingParams(max_tokens=3000, temperature=0), outcomes["long"].put)
     closing.submit(prompt_ids, SamplingParams(max_tokens=5, temperature=0), outcomes["queued"].put)
@@ -232,7 +233,7 @@ def blocker(engine: Engine, prompt_ids) -> tuple:
 
 
 def test_a_full_queue_refuses_with_a_retry_hint(limited, prompt_ids):
-    engine = limited(max_queue=2)
+    engine = limited(max_queue=2, max_num_seqs=1)
     job, _ = blocker(engine, prompt_ids)
     waiting = [queue.SimpleQueue() for _ in range(2)]
     for sink in waiting:
@@ -250,7 +251,7 @@ def test_a_full_queue_refuses_with_a_retry_hint(limited, prompt_ids):
 
 
 def test_timeouts_while_generating_and_while_waiting(limited, prompt_ids):
-    engine = limited(request_timeout=0.3)
+    engine = limited(request_timeout=0.3, max_num_seqs=1)
     with pytest.raises(RequestTimeoutError, match="while generating"):
         finish(engine, prompt_ids, max_tokens=3000, temperature=0)
     engine.request_timeout = None

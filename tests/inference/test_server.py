@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import threading
+import time
 
 import openai
 import pytest
@@ -98,6 +100,36 @@ def test_concurrent_requests_all_succeed(client):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert list(pool.map(one, range(8))) == [expected] * 8
+
+
+STREAMS = 8  # concurrent streams; the server's default --max-num-seqs (16) runs them in one batch
+BATCH_PROMPTS = [f"Request {i}: the river {'runs ' * i}past the mill and" for i in range(STREAMS)]
+
+
+def timed_stream(client, prompt: str, start: threading.Event | None = None) -> dict:
+    """One greedy completion of 32 tokens streamed: its text and when its first and last chunks came."""
+    if start is not None:
+        start.wait()
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    texts, first = [], None
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.monotonic()
+            texts.append(chunk.choices[0].text)
+    return {"text": "".join(texts), "first": first, "end": time.monotonic()}
+
+
+def test_eight_concurrent_streams_overlap_and_each_equals_its_text_alone(client):
+    alone = [timed_stream(client, prompt)["text"] for prompt in BATCH_PROMPTS]
+    start = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(timed_stream, client, prompt, start) for prompt in BATCH_PROMPTS]
+        start.set()
+        together = [f.result() for f in futures]
+    assert [t["text"] for t in together] == alone  # float32 on the CPU: batching changes no greedy token
+    # the 8th stream's first token came before the 1st stream (any stream) ended: they ran together
+    assert max(t["first"] for t in together) < min(t["end"] for t in together)
 
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"

@@ -41,7 +41,9 @@ def queued(tmp_path_factory):
 def flooded(tmp_path_factory):
     # no request timeout: on a loaded machine the two requests that wait behind the blocker can
     # take longer than the 408 test's few seconds to be served, and must not time out here
-    process = ServerProcess(tiny_bundle(tmp_path_factory), "--max-queue", "2", model_name=MODEL)
+    # one sequence at a time: the blocker runs, two wait, the rest are refused
+    process = ServerProcess(tiny_bundle(tmp_path_factory), "--max-queue", "2", "--max-num-seqs", "1",
+                            model_name=MODEL)
     yield process
     assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
 
@@ -108,7 +110,7 @@ def test_a_flood_beyond_the_queue_gets_429_with_retry_after(flooded):
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         futures = [pool.submit(one, i) for i in range(10)]
         refused = [f.result(30) for f in concurrent.futures.as_completed(futures, timeout=30)][:8]
-        blocker.close()  # the worker moves on to the two that wait
+        blocker.close()  # the batch's one place goes to the two that wait, in turn
         results = [f.result(30) for f in futures]
     assert all(isinstance(r, openai.RateLimitError) for r in refused)
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]

@@ -1,0 +1,161 @@
+"""Continuous batching: a request's tokens do not depend on what else runs in the batch, for every
+architecture we serve; each batch step acquires a MoE layer's experts once for all its sequences;
+a forward that fails leaves the others running."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from test_engine_fixtures import FlakyDaemonSource, loaded, qwen_bundle, tiny_bundle  # noqa: F401
+
+from inference.engine import Engine, ExpertSourceUnavailableError, Finished, SamplingParams, TextDelta
+from inference.engine.batch import BatchStepper
+from inference.engine.generate import ModelRunner
+from inference.experts import LocalPackSource
+from inference.experts.binding import experts_modules
+from inference.model import load_model
+from packtools.arch.registry import ARCHITECTURES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT_LENGTHS = (5, 9, 13, 3, 21, 7, 11, 17)  # 8 requests, most prompts longer than one chunk
+MAX_TOKENS = (12, 7, 12, 3, 12, 9, 12, 5)  # some leave the batch early, the rest run on
+CHUNK = 4
+
+
+class CountingSource(LocalPackSource):
+    """The pack read directly, counting acquires per layer (one data-plane request each with storaged)."""
+
+    def __init__(self, bundle, device):
+        super().__init__(bundle, device)
+        self.acquires = 0
+        self.lock = threading.Lock()
+
+    def acquire(self, layer, experts):
+        with self.lock:
+            self.acquires += 1
+        return super().acquire(layer, experts)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_together(engine: Engine, requests: list[list[int]]) -> list[Finished]:
+    async def one(prompt_ids, max_tokens):
+        events = [e async for e in engine.stream(prompt_ids, greedy(max_tokens))]
+        assert all(isinstance(e, TextDelta) for e in events[:-1])
+        return events[-1]
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(p, m) for p, m in zip(requests, MAX_TOKENS)))
+    return asyncio.run(all_at_once())
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))  # 1-2 s each on an idle 2-core CPU, bundle build included
+def test_eight_requests_in_a_batch_each_equal_their_tokens_alone(tmp_path_factory, arch):
+    bundle = tiny_bundle(tmp_path_factory, arch)
+    with load_model(bundle, device="cpu", dtype=torch.float32, expert_source=CountingSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=8, prefill_chunk=CHUNK)
+        try:
+            requests = prompts(engine.runner.vocab_size)
+            alone = [engine.runner.run(p, greedy(m), emit=lambda e: None) for p, m in zip(requests, MAX_TOKENS)]
+            source = model.expert_source
+            acquires, steps = source.acquires, engine._steps
+            together = run_together(engine, requests)
+            moe_layers = len(experts_modules(model.model))
+            # one acquire per MoE layer per step, whatever the number of sequences in it
+            assert source.acquires - acquires == (engine._steps - steps) * moe_layers
+        finally:
+            engine.close()
+    assert [f.token_ids for f in together] == [f.token_ids for f in alone]
+    assert [f.text for f in together] == [f.text for f in alone]
+    assert [len(f.token_ids) for f in together] == list(MAX_TOKENS)
+
+
+def test_steps_overlap_and_the_batch_never_exceeds_max_num_seqs(tmp_path_factory):
+    bundle = tiny_bundle(tmp_path_factory, "qwen3_moe")
+    with load_model(bundle, device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=3, prefill_chunk=CHUNK)
+        sizes = []
+        step = engine._scheduler.stepper.step
+        engine._scheduler.stepper.step = lambda sequences: sizes.append(len(sequences)) or step(sequences)
+        try:
+            requests = prompts(engine.runner.vocab_size)
+            together = run_together(engine, requests)
+        finally:
+            engine.close()
+    assert [len(f.token_ids) for f in together] == list(MAX_TOKENS)
+    assert max(sizes) == 3  # full, never more
+    # 8 requests at most 3 at a time take fewer steps than one after another
+    alone_steps = sum(m + -(-n // CHUNK) - 1 for n, m in zip(PROMPT_LENGTHS, MAX_TOKENS))
+    assert len(sizes) < alone_steps
+
+
+class FailingSequence:
+    """A sequence whose forward fails before reaching any MoE layer."""
+
+    static = None
+
+    def forward(self):
+        raise RuntimeError("this forward fails")
+
+
+def test_a_failing_forward_leaves_and_the_others_finish_their_step(loaded):
+    stepper = BatchStepper(loaded.model, 3)
+    try:
+        runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None)
+        ok = [runner.sequence([1, 5, 9, 12], greedy(4), emit=lambda e: None, prefill_chunk=2) for _ in range(2)]
+        bad = FailingSequence()
+        failed = stepper.step([ok[0], bad, ok[1]])
+        assert list(failed) == [bad] and "fails" in str(failed[bad])
+        for sequence in ok:
+            sequence.advance()  # the first chunk went through: the rest of the prompt next
+            assert sequence.prefilling
+    finally:
+        stepper.close()
+
+
+def test_a_sequence_alone_does_not_wait_for_anyone(loaded):
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None)
+    stepper = BatchStepper(loaded.model, 2)
+    sequence = runner.sequence([1, 5, 9], greedy(3), emit=lambda e: None)
+    while not sequence.done:
+        assert stepper.step([sequence]) == {}
+        sequence.advance()
+    assert stepper._pool is None  # no thread pool for one sequence
+    expected = runner.run([1, 5, 9], greedy(3), emit=lambda e: None)
+    assert tuple(sequence.tokens) == expected.token_ids
+
+
+def test_the_source_going_away_mid_batch_fails_every_request_of_the_step_then_recovers(qwen_bundle):
+    with load_model(qwen_bundle, device="cpu", dtype=torch.float32, expert_source=FlakyDaemonSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=4)
+        source = model.expert_source
+        try:
+            requests = prompts(engine.runner.vocab_size)[:3]
+
+            async def one(prompt_ids):
+                try:
+                    return [e async for e in engine.stream(prompt_ids, greedy(40))]
+                except ExpertSourceUnavailableError as exc:
+                    return exc
+
+            async def all_at_once():
+                return await asyncio.gather(*(one(p) for p in requests))
+            source.fail_after = source.acquires + 2 * 6  # two MoE layers: six steps succeed
+            outcomes = asyncio.run(all_at_once())
+            assert all(isinstance(o, ExpertSourceUnavailableError) for o in outcomes), outcomes
+            source.up = True
+            assert [len(f.token_ids) for f in run_together(engine, prompts(engine.runner.vocab_size))] == \
+                list(MAX_TOKENS)
+        finally:
+            engine.close()
