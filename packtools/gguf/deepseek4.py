@@ -12,17 +12,14 @@ unused gate.bias dropped. Every dense tensor keeps its checkpoint shape (numpy o
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import gguf
 from transformers import PretrainedConfig
 
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.errors import TensorMappingError, UnknownArchitectureError
 from packtools.gguf.metadata import Metadata
-
-if TYPE_CHECKING:
-    from packtools.gguf.config_read import TensorFacts
-    from packtools.gguf.tensor_map import DenseRule
+from packtools.gguf.tensor_rules import DenseRule, plain_rule
 
 GGUF_ARCH_NAME = "deepseek4"
 MODEL_TYPE = "deepseek_v4"
@@ -159,6 +156,4 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def dense_rule(config: PretrainedConfig, hf_name: str) -> DenseRule:
     """deepseek4 stores every dense tensor under its own name and shape, transform-free."""
-    from packtools.gguf.tensor_map import DenseRule, _identity_in, _identity_out  # noqa: PLC0415 (cycle)
-
-    return DenseRule(hf_name, (gguf_tensor_name(hf_name),), _identity_out, _identity_in)
+    return plain_rule(hf_name, gguf_tensor_name(hf_name))

@@ -12,16 +12,12 @@ What the file says about layer kinds: `attention.head_count_kv` is a per-layer l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import gguf
 
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.errors import ExpertLayoutError, UnknownArchitectureError
 from packtools.gguf.metadata import Metadata
 from packtools.gguf.routing import expert_groups
-
-if TYPE_CHECKING:
-    from packtools.gguf.config_read import TensorFacts
 
 GGUF_ARCH_NAME = "kimi-k3"
 MODEL_TYPE = "kimi_k3"

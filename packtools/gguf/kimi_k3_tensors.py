@@ -30,7 +30,7 @@ import torch
 from transformers import PretrainedConfig
 
 from packtools.gguf.errors import TensorMappingError
-from packtools.gguf.tensor_map import DenseRule, Tensors, kv_b_split_join
+from packtools.gguf.tensor_rules import DenseRule, Tensors, identity_in, identity_out, kv_b_split_join
 
 _LAYER = r"model\.layers\.(?P<bid>\d+)\."
 # MoE layers: `block_sparse_moe.` in the checkpoint, `mlp.` in the kimi_k3 model's state_dict
@@ -87,14 +87,6 @@ _RES_SCORE = {"self_attention": "blk.{bid}.attn_res_score.weight", "mlp": "blk.{
               None: "output_res_score.weight"}
 
 
-def _identity_out(tensor: torch.Tensor) -> Tensors:
-    return (tensor,)
-
-
-def _identity_in(tensors: Tensors) -> torch.Tensor:
-    return tensors[0]
-
-
 def full_attention_layers(config: PretrainedConfig) -> set[int]:
     """0-indexed MLA layers (linear_attn_config.full_attn_layers counts from 1)."""
     return {n - 1 for n in config.linear_attn_config["full_attn_layers"]}
@@ -104,7 +96,7 @@ def dense_rule(config: PretrainedConfig, name: str) -> DenseRule:
     """How the official dense tensor `name` is stored in a kimi-k3 GGUF."""
     for pattern, template in _PLAIN_RE:
         if match := pattern.match(name):
-            return DenseRule(name, (template.format(**match.groupdict()),), _identity_out, _identity_in)
+            return DenseRule(name, (template.format(**match.groupdict()),), identity_out, identity_in)
     if match := _CONV.match(name):
         return DenseRule(name, (f"blk.{match['bid']}.ssm_conv1d_{match['part']}.weight",), _conv_out, _conv_in)
     if match := _A_LOG.match(name):
@@ -112,7 +104,7 @@ def dense_rule(config: PretrainedConfig, name: str) -> DenseRule:
     if match := _G_PROJ.match(name):
         bid = int(match["bid"])
         gguf_name = f"blk.{bid}.attn_gate.weight" if bid in full_attention_layers(config) else f"blk.{bid}.ssm_g.weight"
-        return DenseRule(name, (gguf_name,), _identity_out, _identity_in)
+        return DenseRule(name, (gguf_name,), identity_out, identity_in)
     if match := _KV_B.match(name):
         return _kv_b_rule(config, name, match["bid"])
     if match := _RES.match(name):
@@ -157,7 +149,7 @@ def a_log_from_gguf(tensors: Tensors) -> torch.Tensor:
 def _kv_b_rule(config: PretrainedConfig, name: str, bid: str) -> DenseRule:
     split, join = kv_b_split_join(config)
     # llama.cpp also loads an unsplit attn_kv_b (TENSOR_SKIP_IF_VIRTUAL); read either form
-    unsplit = DenseRule(name, (f"blk.{bid}.attn_kv_b.weight",), _identity_out, _identity_in)
+    unsplit = DenseRule(name, (f"blk.{bid}.attn_kv_b.weight",), identity_out, identity_in)
     return DenseRule(name, (f"blk.{bid}.attn_k_b.weight", f"blk.{bid}.attn_v_b.weight"), split, join, fallback=unsplit)
 
 
@@ -167,6 +159,6 @@ def _res_rule(name: str, score_name: str, part: str, hidden: int) -> DenseRule:
                                  f"({score_name}); packtools does not write kimi-k3 GGUFs (llama.cpp's converter does)")
 
     if part == "norm":
-        return DenseRule(name, (score_name,), not_writable, _identity_in)
+        return DenseRule(name, (score_name,), not_writable, identity_in)
     # the projection reads no tensor: ones, so that norm (= the fused score vector) * proj is the product
     return DenseRule(name, (), not_writable, lambda _: torch.ones(1, hidden))
