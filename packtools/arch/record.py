@@ -4,6 +4,9 @@ Each module of packtools.arch.models exports one `ARCHITECTURE`; packtools.arch.
 them. A record holds the Hugging Face side (ArchSpec: layers, expert widths, checkpoint names),
 the tiny test config, the routing check, and the GGUF side (GGUFArch: llama.cpp's arch name,
 config read and write, dense tensor names), so adding an architecture is one new module.
+Nothing but the registry's lookup (packtools.arch.registry.get_architecture) is keyed by
+model_type, so a record may also be made rather than written: one per model_type that shares a
+generic experts interface, with per-architecture modules only for what differs.
 """
 
 from __future__ import annotations

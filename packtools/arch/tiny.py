@@ -1,9 +1,9 @@
 """Small but real transformers configs: the sizes and keys every architecture's tiny config shares.
 
 Each architecture's record (packtools.arch.models) adds its own keys; together they make a config
-that `AutoModelForCausalLM.from_config` builds and that runs forward/generate on CPU in float32. The sizes scale: hidden 4096 with 256 experts of
-moe_intermediate 2048 and a couple of layers is a full-width layer stack (build it on the meta
-device). Attention stays deliberately narrow (4 heads) because the experts are what we test.
+that `AutoModelForCausalLM.from_config` builds and that runs forward/generate on CPU in float32.
+The sizes scale: hidden 4096 with 256 experts of moe_intermediate 2048 and a couple of layers is a
+full-width layer stack (build it on the meta device). Attention stays deliberately narrow (4 heads) because the experts are what we test.
 """
 
 from __future__ import annotations

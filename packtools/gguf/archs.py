@@ -13,9 +13,7 @@ import gguf
 
 from packtools.arch.registry import ARCHITECTURES
 from packtools.gguf.errors import UnknownArchitectureError
-from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
-
-__all__ = ["MODEL_ARCH", "GGUFArch", "arch_for_gguf", "arch_for_model_type", "gguf_archs"]
+from packtools.gguf.gguf_arch import GGUFArch
 
 
 def gguf_archs() -> dict[str, GGUFArch]:

@@ -18,9 +18,10 @@ from transformers import PretrainedConfig
 
 from packtools.arch import get_arch
 from packtools.arch.routing import check_routing
-from packtools.gguf.archs import GGUFArch, arch_for_model_type
+from packtools.gguf.archs import arch_for_model_type
 from packtools.gguf.config_parts import DEEPSEEK_YARN_LOG_MUL_PER_MSCALE, refuse
 from packtools.gguf.errors import UnknownArchitectureError
+from packtools.gguf.gguf_arch import GGUFArch
 
 
 def write_config_kv(writer: gguf.GGUFWriter, config: PretrainedConfig) -> GGUFArch:

@@ -17,8 +17,9 @@ import re
 import gguf
 from transformers import PretrainedConfig
 
-from packtools.gguf.archs import GGUFArch, arch_for_model_type
+from packtools.gguf.archs import arch_for_model_type
 from packtools.gguf.errors import TensorMappingError
+from packtools.gguf.gguf_arch import GGUFArch
 from packtools.gguf.tensor_rules import DenseRule, identity_in, identity_out, kv_b_split_join
 
 # transformers 5 keys of routed experts: "model.layers.N.mlp.experts.<param>"
