@@ -1,4 +1,5 @@
-"""Kimi-K3 (packtools.models.kimi_k3): Kimi-Linear's layers with latent routed experts (at
+"""Kimi-K3 (packtools.models.kimi_k3, registered with transformers by packtools.arch.registry's
+import of packtools.models): Kimi-Linear's layers with latent routed experts (at
 routed_expert_hidden_size), SiTU activation and cross-layer residuals. The official checkpoint
 nests the text model under "language_model." with a multimodal config.json wrapper, and ships its
 routed experts as compressed-tensors "mxfp4-pack-quantized". gguf-py 0.19 has no kimi-k3 arch:
@@ -11,7 +12,6 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
-import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from packtools.arch.group_routing import top2_group_score
 from packtools.arch.models.kimi_linear import kimi_sparse_layers, tiny_kimi_moe
 from packtools.arch.parts import SWIGLU_FUSED, SWIGLU_LAYOUT, W_PROJ
