@@ -71,7 +71,7 @@ def synthesize(fmt: str, experts: int, layers: int, where: Path) -> tuple[Path, 
     sizes = dict(hidden_size=HIDDEN, num_layers=layers, num_experts=experts, top_k=2,
                  moe_intermediate_size=FORMATS[fmt]["moe_intermediate_size"], vocab_size=512)
     if fmt == "gguf":
-        from packtools.pack.constants import ElementType
+        from packformat.constants import ElementType
         from packtools.synth.gguf_cli import synth_gguf_model
         from packtools.synth.gguf_models import expert_bytes, tiny_config_with
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from packtools.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
-from packtools.pack import constants as C
-from packtools.pack.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
+from packformat import constants as C
+from packformat.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
+from packformat.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
 
 MODEL_TYPE = "expertpack_bench"  # not a transformers architecture: storaged never builds the model
 HIDDEN = 4096  # H of a DeepSeek-V4-Flash-size expert; I is chosen to reach the object size

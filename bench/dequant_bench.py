@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from inference.dequant import dequantize_many, triton_backend  # noqa: E402
-from packtools.pack.constants import SELF_CONTAINED_TYPES, ElementType, tensor_nbytes  # noqa: E402
+from packformat.constants import SELF_CONTAINED_TYPES, ElementType, tensor_nbytes  # noqa: E402
 from packtools.quants import random_blocks  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from inference.kernels import ops  # noqa: E402
-from packtools.pack import RoleEntry  # noqa: E402
-from packtools.pack.constants import ElementType, Role, tensor_nbytes  # noqa: E402
+from packformat import RoleEntry  # noqa: E402
+from packformat.constants import ElementType, Role, tensor_nbytes  # noqa: E402
 from packtools.quants import random_blocks  # noqa: E402
 
 CONFIGS = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]

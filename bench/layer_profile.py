@@ -5,7 +5,10 @@
 
 Modes (each on the same synthesized model, every expert resident: the all-hit regime):
   resident          every expert dequantized into transformers' own experts (grouped_mm)
-  storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder)
+  storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder),
+                    eager decoder layers in the graph
+  storaged-graph-compiled  the same, the captured step's decoder layers compiled by inductor (the default
+                    of `inference` on CUDA)
   storaged-eager    storaged arena, one data-plane acquire per MoE layer, fused kernels, no graph
   llamacpp          llama-bench -ngl 99 on the same GGUF (its own timing: per token only)
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +39,7 @@ from bench.e2e.generation import prompt_ids, synchronize, timed_generation, warm
 from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 
-MODES = ("resident", "storaged-graph", "storaged-eager", "llamacpp")
+MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-eager", "llamacpp")
 # kernel name -> kind; the first pattern that matches wins
 KINDS = (
     ("experts GEMV", r"moe_gemv"),
@@ -78,9 +82,10 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
                         expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
     decoder = None
-    if mode == "storaged-graph":
+    if mode in ("storaged-graph", "storaged-graph-compiled"):
         decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
-                                       cache_keyword=_cache_keyword(loaded.model))
+                                       cache_keyword=_cache_keyword(loaded.model),
+                                       compile_layers=mode == "storaged-graph-compiled")  # not the default
         if decoder is None:
             raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
     return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop]
@@ -177,7 +182,7 @@ def _profile_prefill(model, decoder, device: torch.device, vocab: int, prompt_le
 
 def _prewarm(source, bundle_dir) -> None:
     """Acquire every expert of every layer once: the all-hit regime starts with all of them resident."""
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     with open_bundle(bundle_dir) as bundle:
         layers, experts = list(bundle.pack.layers), bundle.pack.header.expert_count
@@ -223,41 +228,54 @@ def run(args) -> dict:
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
-        if mode == "llamacpp":
-            results["modes"][mode] = _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
-                                               args.prompt_len, args.tokens)
-            continue
-        built, decoder, source, closers = _build(mode, model, device, dtype, workdir,
-                                                 args.prompt_len + args.tokens + 16)
         try:
-            vocab = built.config.vocab_size
-            if source is not None:
-                _prewarm(source, model.bundle_dir)
-            warm_up(built, device, vocab, decoder)
-            wait_before = source.expert_wait_seconds() if source is not None else 0.0
-            timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
-                                      tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder)
-            waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
-            profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps)
-            prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
-        finally:
-            for close in closers:
-                close()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        record = {"decode_tok_s": timing["decoded"] / timing["decode_seconds"],
-                  "prefill_tok_s": args.prompt_len / timing["prefill_seconds"],
-                  "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
-                  "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
-                  **profiled, "prefill_profile": prefill_profile}
-        if decoder is not None:
-            record["steps_redone"] = decoder.redone_steps
-        busy = sum(profiled["device_us_by_kind"].values()) / 1e6
-        record["device_busy_share"] = busy / profiled["wall_s"] if profiled["wall_s"] else None
-        record["per_layer_us"] = {k: v / args.profile_steps / model.moe_layers
-                                  for k, v in profiled["device_us_by_kind"].items()}
-        results["modes"][mode] = record
+            results["modes"][mode] = _run_mode(mode, args, model, device, dtype, workdir)
+        except Exception as exc:  # one mode's failure must not lose the others' figures
+            traceback.print_exc()
+            results["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:4000]}
+        print(report({**results, "modes": {mode: results["modes"][mode]}}).splitlines()[2], flush=True)
+        if args.out is not None:  # kept after every mode: a later one may exhaust the time limit
+            args.out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, workdir: Path) -> dict:
+    if mode == "llamacpp":
+        return _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
+                         args.prompt_len, args.tokens)
+    built, decoder, source, closers = _build(mode, model, device, dtype, workdir, args.prompt_len + args.tokens + 16)
+    try:
+        vocab = built.config.vocab_size
+        if source is not None:
+            _prewarm(source, model.bundle_dir)
+        started = time.perf_counter()
+        warm_up(built, device, vocab, decoder, prompt_len=args.prompt_len)
+        warm_up_s = time.perf_counter() - started
+        wait_before = source.expert_wait_seconds() if source is not None else 0.0
+        timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
+                                  tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder)
+        waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
+        profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps)
+        prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
+    finally:
+        for close in closers:
+            close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record = {"decode_tok_s": timing["decoded"] / timing["decode_seconds"],
+              "prefill_tok_s": args.prompt_len / timing["prefill_seconds"],
+              "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
+              "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
+              "warm_up_s": warm_up_s,  # graph captures (and compilation) included
+              **profiled, "prefill_profile": prefill_profile}
+    if decoder is not None:
+        record.update(steps_redone=decoder.redone_steps, prefills_through_slot_map=decoder.lookup_prefills,
+                      prefills_redone=decoder.redone_prefills)
+    busy = sum(profiled["device_us_by_kind"].values()) / 1e6
+    record["device_busy_share"] = busy / profiled["wall_s"] if profiled["wall_s"] else None
+    record["per_layer_us"] = {k: v / args.profile_steps / model.moe_layers
+                              for k, v in profiled["device_us_by_kind"].items()}
+    return record
 
 
 def report(results: dict) -> str:
@@ -309,8 +327,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     results = run(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=1))
     print(report(results))
     return 0
 

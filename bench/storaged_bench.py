@@ -172,7 +172,7 @@ def _hits(args: argparse.Namespace, results: dict, geometry: PackGeometry, bundl
 
 
 def _measure(args: argparse.Namespace, results: dict, geometry: PackGeometry, bundle: Path) -> None:
-    from packtools.pack import PackReader
+    from packformat import PackReader
 
     pack = bundle / "experts.pack"
     with PackReader(pack) as reader:

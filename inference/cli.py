@@ -9,15 +9,20 @@ from pathlib import Path
 
 from inference import __version__
 from inference.config import (
+    DEVICES,
+    DTYPES,
     GENERATION_CONFIG_CHOICES,
     LOG_FORMATS,
     LOG_LEVELS,
+    MODEL_FIELDS,
+    SERVE_FIELDS,
     ConfigError,
     ExpertSourceNotAvailableError,
-    add_model_arguments,
-    load_from_args,
+    GenerateConfig,
+    ModelConfig,
+    ServeConfig,
+    load_from_config,
     load_serve_config,
-    model_config_from_args,
 )
 from inference.engine import (
     Engine,
@@ -28,7 +33,7 @@ from inference.engine import (
     encode_chat,
     encode_completion_prompt,
 )
-from inference.experts import ExpertsError
+from inference.experts import COMPUTE_MODES, ExpertsError
 from inference.model import ModelLoadError
 from inference.server.run import serve
 
@@ -41,6 +46,57 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged
+    [--storaged-model NAME]). defaults=False leaves unset options None (a config file may set them)."""
+    parser.add_argument("--bundle", required=defaults, help="pack bundle directory (made by `packtools build`)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu" if defaults else None,
+                        help="where the model runs (default cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if defaults else None,
+                        help="dtype of the dense weights and activations (default bfloat16)")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="torch intra-op threads on CPU (default: torch's choice)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--local", action="store_true",
+                        help="read experts straight from the bundle's pack (the default)")
+    source.add_argument("--storaged", metavar="SOCKET", default=None,
+                        help="get experts from the storaged daemon listening on this Unix socket")
+    parser.add_argument("--storaged-model", metavar="NAME", default=None,
+                        help="with --storaged: the daemon's name for this bundle (its `--model NAME=DIR`); "
+                             "default: the bundle directory's name")
+    parser.add_argument("--experts-compute", choices=COMPUTE_MODES, default="auto" if defaults else None,
+                        help="auto (default): fused kernels reading quantized slots in place on CUDA, the exact "
+                             "path elsewhere; exact: eager's per-expert arithmetic everywhere; fused: refuse to "
+                             "start where the fused kernels cannot run")
+    parser.add_argument("--lookahead", type=_lookahead, default="auto" if defaults else None, metavar="N|auto",
+                        help="experts per token each MoE layer predicts for the next one and hints to storaged "
+                             "(0: off; auto, the default: twice the model's top-k with --storaged, off otherwise)")
+    parser.add_argument("--static-cache-len", type=_non_negative, default=4096 if defaults else None,
+                        metavar="TOKENS",
+                        help="decode through a static KV cache of this many tokens, each step one CUDA graph "
+                             "reading experts via storaged's slot map, where the model allows it (default 4096; "
+                             "0: off); longer requests decode eagerly")
+
+
+def _lookahead(text: str) -> int | str:
+    return "auto" if text == "auto" else _non_negative(text)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of `add_model_arguments`' flags (with their defaults)."""
+    return ModelConfig(**{name: getattr(args, name) for name in MODEL_FIELDS})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,46 +160,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config_from_args(args: argparse.Namespace):
-    origins = None
-    if args.allowed_origins is not None:
-        origins = tuple(o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip())
-    overrides = {
-        "bundle": args.bundle, "device": args.device, "dtype": args.dtype, "torch_threads": args.torch_threads,
-        "storaged": args.storaged, "storaged_model": args.storaged_model, "host": args.host, "port": args.port,
-        "model_name": args.model_name, "shutdown_timeout": args.shutdown_timeout,
-        "max_model_len": args.max_model_len, "max_tokens": args.max_tokens, "max_queue": args.max_queue,
-        "request_timeout": args.request_timeout, "stall_timeout": args.stall_timeout,
-        "generation_config": args.generation_config,
-        "api_keys": tuple(args.api_key) if args.api_key else None, "api_key_file": args.api_key_file,
-        "allowed_origins": origins, "log_level": args.log_level, "log_format": args.log_format,
-        "access_log": args.access_log,
-    }
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the --config file and the flags give (flags win; a flag not given is None)."""
+    overrides = {name: getattr(args, name) for name in MODEL_FIELDS | SERVE_FIELDS if hasattr(args, name)}
+    if args.allowed_origins is not None:  # repeatable, and comma-separated
+        overrides["allowed_origins"] = tuple(o.strip() for item in args.allowed_origins for o in item.split(",")
+                                             if o.strip())
+    overrides["api_keys"] = tuple(args.api_key) if args.api_key else None
+    overrides["api_key_file"] = args.api_key_file
     config = load_serve_config(args.config, overrides)
     if args.local and config.model.storaged is not None:  # --local overrides a file's storaged
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, storaged=None))
     return config
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
+    """The GenerateConfig the flags give; a bad sampling value is InvalidRequestError naming it."""
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, stop=tuple(args.stop))
-    except EngineError as exc:
-        print(f"inference generate: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    model_config = model_config_from_args(args)
-    loaded = load_from_args(model_config)
-    engine = Engine.from_loaded(loaded, static_cache_len=model_config.static_cache_len)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed, stop=tuple(args.stop))
+    return GenerateConfig(model_config_from_args(args), prompt, sampling, chat=args.chat)
+
+
+def run_generate(config: GenerateConfig) -> int:
+    loaded = load_from_config(config.model)
+    engine = Engine.from_loaded(loaded, static_cache_len=config.model.static_cache_len)
     try:
         tokenizer = engine.tokenizer
-        if args.chat:
-            prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        if config.chat:
+            prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": config.prompt}])
         else:
-            prompt_ids = encode_completion_prompt(tokenizer, prompt)
+            prompt_ids = encode_completion_prompt(tokenizer, config.prompt)
         finished = None
-        for event in engine.generate(prompt_ids, params):
+        for event in engine.generate(prompt_ids, config.sampling):
             if isinstance(event, Finished):
                 finished = event
             else:
@@ -164,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
-            return run_generate(args)
+            return run_generate(generate_config_from_args(args))
         return serve(serve_config_from_args(args))
     except ConfigError as exc:
         print(f"inference {args.command}: configuration error: {exc}", file=sys.stderr)

@@ -6,13 +6,13 @@ TOML file (flat keys, the field names below) and then from command-line flags:
     config = load_serve_config(Path("inference.toml"), overrides={"port": 8001})
 
 Every field is checked in __post_init__; a bad value raises ConfigError naming the field and the
-value, so the process can say so and exit before loading anything. `inference generate` uses a
-ModelConfig alone.
+value, so the process can say so and exit before loading anything. `inference generate` reads a
+GenerateConfig (a ModelConfig, the prompt and its SamplingParams) from its flags. The flags
+themselves are inference.cli's; nothing here sees an argparse.Namespace.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from inference.engine.params import SamplingParams
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
 from inference.model import LoadedModel, load_model
-from packtools.bundle import Bundle
+from packformat.bundle import Bundle
 from servicekit.toml_file import TomlFileError, read_toml
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -172,6 +173,26 @@ class ServeConfig:
         return self.model_name or default_model_name(self.model.bundle)
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """Everything `inference generate` is told: the model, one prompt and how to sample it."""
+
+    model: ModelConfig
+    prompt: str
+    sampling: SamplingParams  # its values are checked by SamplingParams itself
+    chat: bool = False  # send the prompt as a user message through the tokenizer's chat template
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError("model", self.model, "expected a ModelConfig")
+        if not isinstance(self.prompt, str):
+            raise ConfigError("prompt", self.prompt, "expected text")
+        if not isinstance(self.chat, bool):
+            raise ConfigError("chat", self.chat, "expected true or false")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ConfigError("sampling", self.sampling, "expected SamplingParams")
+
+
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 SERVE_FIELDS = frozenset(f.name for f in dataclasses.fields(ServeConfig)) - {"model", "api_keys"}
 FILE_ONLY_FIELDS = frozenset({"api_key_file"})  # read into api_keys
@@ -231,66 +252,12 @@ def load_serve_config(path: Path | None, overrides: Mapping[str, Any] | None = N
     return ServeConfig(model=model, api_keys=tuple(dict.fromkeys(keys)), **serve)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
-    """--bundle, --device, --dtype, --torch-threads and the expert source choice (--local | --storaged
-    [--storaged-model NAME]). defaults=False leaves unset options None (a config file may set them)."""
-    parser.add_argument("--bundle", required=defaults, help="pack bundle directory (made by `packtools build`)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu" if defaults else None,
-                        help="where the model runs (default cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if defaults else None,
-                        help="dtype of the dense weights and activations (default bfloat16)")
-    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                        help="torch intra-op threads on CPU (default: torch's choice)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--local", action="store_true",
-                        help="read experts straight from the bundle's pack (the default)")
-    source.add_argument("--storaged", metavar="SOCKET", default=None,
-                        help="get experts from the storaged daemon listening on this Unix socket")
-    parser.add_argument("--storaged-model", metavar="NAME", default=None,
-                        help="with --storaged: the daemon's name for this bundle (its `--model NAME=DIR`); "
-                             "default: the bundle directory's name")
-    parser.add_argument("--experts-compute", choices=COMPUTE_MODES, default="auto" if defaults else None,
-                        help="auto (default): fused kernels reading quantized slots in place on CUDA, the exact "
-                             "path elsewhere; exact: eager's per-expert arithmetic everywhere; fused: refuse to "
-                             "start where the fused kernels cannot run")
-    parser.add_argument("--lookahead", type=_lookahead, default="auto" if defaults else None, metavar="N|auto",
-                        help="experts per token each MoE layer predicts for the next one and hints to storaged "
-                             "(0: off; auto, the default: twice the model's top-k with --storaged, off otherwise)")
-    parser.add_argument("--static-cache-len", type=_non_negative, default=4096 if defaults else None,
-                        metavar="TOKENS",
-                        help="decode through a static KV cache of this many tokens, each step one CUDA graph "
-                             "reading experts via storaged's slot map, where the model allows it (default 4096; "
-                             "0: off); longer requests decode eagerly")
-
-
-def _lookahead(text: str) -> int | str:
-    return "auto" if text == "auto" else _non_negative(text)
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(bundle=args.bundle, device=args.device, dtype=args.dtype, torch_threads=args.torch_threads,
-                       storaged=args.storaged, storaged_model=args.storaged_model,
-                       experts_compute=args.experts_compute, lookahead=args.lookahead,
-                       static_cache_len=args.static_cache_len)
-
-
-def make_expert_source(options: ModelConfig | argparse.Namespace, bundle: Bundle,
-                       device: torch.device | str | None = None) -> ExpertSource:
-    """The expert source `options` (a ModelConfig, or parsed model arguments) ask for, on `device`."""
-    device = torch.device(device if device is not None else options.device)
-    if getattr(options, "storaged", None):
-        model_name = getattr(options, "storaged_model", None) or default_model_name(bundle.path)
-        return _storaged_source(options.storaged, model_name, bundle, device)
+def make_expert_source(config: ModelConfig, bundle: Bundle, device: torch.device | str | None = None) -> ExpertSource:
+    """The expert source `config` asks for, on `device` (default: the config's)."""
+    device = torch.device(device if device is not None else config.device)
+    if config.storaged:
+        return _storaged_source(config.storaged, config.storaged_model or default_model_name(bundle.path), bundle,
+                                device)
     # the wrapper reports the time spent in acquire (expert_wait_seconds) for the metrics
     return TimedExpertSource(LocalPackSource(bundle, device))
 
@@ -308,18 +275,16 @@ def _storaged_source(socket_path: str, model_name: str, bundle: Bundle, device: 
                                             f"source is not available: {exc}") from exc
 
 
-def load_from_args(options: ModelConfig | argparse.Namespace) -> LoadedModel:
-    """Load the bundle as `options` (a ModelConfig, or parsed model arguments) say."""
-    if isinstance(options, argparse.Namespace):
-        options = model_config_from_args(options)
-    if options.torch_threads is not None:
-        torch.set_num_threads(options.torch_threads)
+def load_from_config(config: ModelConfig) -> LoadedModel:
+    """Load the bundle as `config` says."""
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
     from transformers import AutoConfig
 
-    lookahead = options.lookahead_for(AutoConfig.from_pretrained(options.bundle))
-    return load_model(options.bundle, device=options.device, dtype=DTYPES[options.dtype],
-                      expert_source=lambda bundle, device: make_expert_source(options, bundle, device),
-                      experts_compute=options.experts_compute, lookahead=lookahead)
+    lookahead = config.lookahead_for(AutoConfig.from_pretrained(config.bundle))
+    return load_model(config.bundle, device=config.device, dtype=DTYPES[config.dtype],
+                      expert_source=lambda bundle, device: make_expert_source(config, bundle, device),
+                      experts_compute=config.experts_compute, lookahead=lookahead)
 
 
 def default_model_name(bundle_dir: str | os.PathLike) -> str:

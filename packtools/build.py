@@ -15,10 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from packformat import PackWriter, Role
+from packformat.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
+from packformat.constants import ElementType
 from packtools import __version__
-from packtools.bundle import CONFIG, DENSE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PACK, staged_bundle, write_json
-from packtools.pack import PackWriter, Role
-from packtools.pack.constants import ElementType
 from packtools.safetensors_stream import StreamingSafetensorsWriter
 from packtools.sources.base import CheckpointSource
 

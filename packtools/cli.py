@@ -38,7 +38,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
     from packtools.inspect import format_summary, summarize
 
     with open_bundle(args.bundle) as bundle:

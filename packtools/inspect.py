@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from packtools.bundle import DENSE, Bundle, open_bundle
-from packtools.pack import ElementType, ObjectChecksumError, Role
+from packformat import ElementType, ObjectChecksumError, Role
+from packformat.bundle import DENSE, Bundle, open_bundle
 
 
 def summarize(bundle: Bundle) -> dict:

@@ -120,7 +120,7 @@ def write_checkpoint(case: Case, out: Path) -> None:
     """The tiny random HF checkpoint of `case` (deterministic; tests rebuild it to compare with)."""
     if str(REPO) not in sys.path:  # run as a script from anywhere: packtools lives in the repo
         sys.path.insert(0, str(REPO))
-    from packtools.models import OFFICIAL_CONFIG_LAYOUTS
+    from inference.models import OFFICIAL_CONFIG_LAYOUTS
     from packtools.synth.compressed_tensors import to_compressed_tensors_mxfp4
     from packtools.synth.gguf_models import tiny_random_model
     from packtools.tokenizer_synth import write_tokenizer

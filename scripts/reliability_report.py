@@ -46,8 +46,8 @@ OTHER_TABLES: dict[str, list[tuple[str, str | None]]] = {
     ],
     "bundles": [
         ("tests/storaged/test_server_lifecycle.py", "test_bad_bundle_fails_start_with_clear_error"),
-        ("tests/packtools/test_bundle.py", "test_broken_bundle_is_refused_naming_the_file"),
-        ("tests/packtools/test_bundle.py", "test_validate_refuses_a_broken_pack"),
+        ("tests/packformat/test_bundle.py", "test_broken_bundle_is_refused_naming_the_file"),
+        ("tests/packformat/test_bundle.py", "test_validate_refuses_a_broken_pack"),
         ("tests/packtools/test_cli.py", "test_bad_build_fails_cleanly"),
     ],
     "HTTP": [

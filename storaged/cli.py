@@ -7,11 +7,15 @@ TOML first, then flags override it. Exit status: 0 after a clean SIGTERM/SIGINT 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from storaged import __version__
-from storaged.config import ConfigError, StoragedConfig, load_config
+from storaged.config import FLAG, ConfigError, Flag, StoragedConfig, load_config
 
 EXIT_STARTUP = 1
 EXIT_CONFIG = 2
@@ -24,46 +28,42 @@ def _model_flag(text: str) -> tuple[str, str]:
     return name, path
 
 
+# A field's type -> how its flag's text is converted (Path stays text: StoragedConfig expands it).
+_FLAG_TYPES: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str, Path: str}
+
+
+def flag_fields() -> list[tuple[dataclasses.Field, Flag, Any]]:
+    """(field, its Flag, its type) of every StoragedConfig field that is a command-line flag."""
+    hints = typing.get_type_hints(StoragedConfig)
+    return [(f, f.metadata[FLAG], hints[f.name]) for f in dataclasses.fields(StoragedConfig) if FLAG in f.metadata]
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="storaged", description="Serve expert slots from pack bundles.")
     parser.add_argument("--version", action="version", version=f"storaged {__version__}")
     parser.add_argument("--config", type=Path, help="TOML configuration file")
     parser.add_argument("--model", type=_model_flag, action="append", metavar="NAME=BUNDLE_DIR",
                         help="serve a model (repeatable; added to or replacing the file's models)")
-    parser.add_argument("--socket", help="Unix socket path (default /run/expertpack/storaged.sock)")
-    parser.add_argument("--vram-cache-bytes", help="arena byte budget, e.g. 8GiB")
-    parser.add_argument("--host-cache-bytes", help="pinned host tier byte budget; 0 = off")
-    parser.add_argument("--staging-buffers", type=int)
-    parser.add_argument("--io-parallelism", type=int)
-    parser.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--verify-hits", type=float, metavar="FRACTION",
-                        help="share of cache hits re-checked against their checksum: 0 off (default), 1.0 every hit")
-    parser.add_argument("--metrics-address", help="host:port of the Prometheus endpoint, or 'off'")
-    parser.add_argument("--device", help="'cpu' or 'cuda:N'")
-    parser.add_argument("--shutdown-grace-seconds", type=float)
-    parser.add_argument("--fence-timeout-seconds", type=float,
-                        help="how long a session may stay mid-step while a slot it may read waits (default 10)")
-    parser.add_argument("--max-ids-per-acquire", type=int)
-    parser.add_argument("--session-idle-seconds", type=float,
-                        help="close a session without an Acquire stream or data plane connection after this "
-                             "long (default 60)")
-    parser.add_argument("--max-sessions-per-peer", type=int,
-                        help="most live sessions one uid may hold; 0 = no bound (default 256)")
+    for field, flag, kind in flag_fields():
+        help_ = flag.help if field.default is dataclasses.MISSING else f"{flag.help} (default {field.default})"
+        # default None: a flag not given leaves the TOML file's value (or the field's default) alone
+        if kind is bool and flag.type is None:
+            parser.add_argument(flag_name(field), action=argparse.BooleanOptionalAction, default=None, help=help_)
+            continue
+        convert = flag.type or _FLAG_TYPES.get(kind)
+        if convert is None:
+            raise TypeError(f"StoragedConfig.{field.name}: no command-line conversion for {kind}; "
+                            "give its Flag a type")
+        parser.add_argument(flag_name(field), type=convert, metavar=flag.metavar, help=help_)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> StoragedConfig:
-    overrides = {
-        "socket": args.socket, "vram_cache_bytes": args.vram_cache_bytes,
-        "host_cache_bytes": args.host_cache_bytes, "staging_buffers": args.staging_buffers,
-        "io_parallelism": args.io_parallelism, "direct_io": args.direct_io,
-        "verify_checksums": args.verify_checksums, "verify_hits": args.verify_hits,
-        "metrics_address": args.metrics_address,
-        "device": args.device, "shutdown_grace_seconds": args.shutdown_grace_seconds,
-        "max_ids_per_acquire": args.max_ids_per_acquire, "fence_timeout_seconds": args.fence_timeout_seconds,
-        "session_idle_seconds": args.session_idle_seconds, "max_sessions_per_peer": args.max_sessions_per_peer,
-    }
+    overrides = {field.name: getattr(args, field.name) for field, _, _ in flag_fields()}
     models: dict[str, str] = {}
     for name, path in args.model or ():
         if name in models:
@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     # Bundles are validated before torch, grpc and the device are even imported, so a bad
     # bundle fails in a fraction of a second.
-    from storaged.server.models import ModelLoadError, open_models
+    from storaged.server.models import ModelOpenError, open_models
 
     try:
         models = open_models(config.models)
-    except ModelLoadError as exc:
+    except ModelOpenError as exc:
         print(f"storaged: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     from storaged.server.daemon import run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,41 +67,65 @@ def parse_size(value: int | str, field: str = "size") -> int:
     return int(nbytes)
 
 
+FLAG = "flag"  # the key of a field's Flag in its dataclasses metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a config field is given on the command line (storaged.cli builds its parser from
+    these): `--<field name with - for _>`, overriding the TOML file's value. `type` converts the
+    flag's text; None takes the field's type (bool: a --x/--no-x pair; Path: text). Sizes stay
+    text, for parse_size."""
+
+    help: str
+    type: Callable[[str], Any] | None = None
+    metavar: str | None = None
+
+
+def _flag(help: str, *, default: Any = dataclasses.MISSING, type: Callable[[str], Any] | None = None,
+          metavar: str | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={FLAG: Flag(help, type, metavar)})
+
+
 @dataclasses.dataclass(frozen=True)
 class StoragedConfig:
-    """Everything the daemon is told. Sizes are in bytes; paths are absolute after validation."""
+    """Everything the daemon is told. Sizes are in bytes; paths are absolute after validation.
+    A field with a Flag is also a command-line flag; `models` has its own (--model NAME=DIR), and
+    the peer allow-lists are set in the TOML file only."""
 
     models: Mapping[str, Path]  # model name → bundle directory
-    vram_cache_bytes: int  # byte budget of the arena (slot_count = this // slot size)
-    socket: Path = Path(DEFAULT_SOCKET)
-    host_cache_bytes: int = 0  # pinned host-RAM tier; 0 = off
-    staging_buffers: int = 8  # aligned host buffers pack reads land in
-    io_parallelism: int = 4  # pack reads in flight
-    direct_io: bool = True  # O_DIRECT pack reads (bypass the page cache)
-    verify_checksums: bool = True  # crc32 of every object read, before its slot is published
-    # Share of Acquire hits whose bytes in the arena are re-checked against the object's crc32
-    # before they are served: 0 = off, 1.0 = every hit, between = a random sample. For a CUDA
-    # arena, which every client that maps it can write (server/hit_verify.py).
-    verify_hits: float = 0.0
-    metrics_address: str = DEFAULT_METRICS_ADDRESS  # host:port of the Prometheus endpoint; "" = off
-    device: str = "cpu"  # "cpu" (shared-memory arena) or "cuda:N"
-    shutdown_grace_seconds: float = 5.0  # time in-flight RPCs get to finish on SIGTERM
-    # A session mid-step (reading the slot map on the device) longer than this while a slot it may
-    # read waits for reuse has its step fence revoked (server/fences.py): one stuck client must
-    # not stall everyone's misses.
-    fence_timeout_seconds: float = 10.0
-    max_ids_per_acquire: int = 1024  # most expert ids in one Acquire or Prefetch (Kimi-K2: 384 a layer)
+    vram_cache_bytes: int = _flag("arena byte budget, e.g. 8GiB (slot count = this // slot size)", type=str,
+                                  metavar="SIZE")
+    socket: Path = _flag("Unix socket path", default=Path(DEFAULT_SOCKET), metavar="PATH")
+    host_cache_bytes: int = _flag("pinned host-RAM tier byte budget, e.g. 16GiB; 0 = off", default=0, type=str,
+                                  metavar="SIZE")
+    staging_buffers: int = _flag("aligned host buffers pack reads land in", default=8)
+    io_parallelism: int = _flag("pack reads in flight", default=4)
+    direct_io: bool = _flag("O_DIRECT pack reads (bypass the page cache)", default=True)
+    verify_checksums: bool = _flag("crc32 of every object read, before its slot is published", default=True)
+    # For a CUDA arena, which every client that maps it can write (server/hit_verify.py).
+    verify_hits: float = _flag("share of cache hits re-checked against their checksum before they are served: "
+                               "0 off, 1.0 every hit, between: a random sample", default=0.0, metavar="FRACTION")
+    metrics_address: str = _flag("host:port of the Prometheus endpoint, or 'off'",
+                                 default=DEFAULT_METRICS_ADDRESS, metavar="HOST:PORT")
+    device: str = _flag("'cpu' (shared-memory arena) or 'cuda:N'", default="cpu")
+    shutdown_grace_seconds: float = _flag("time in-flight RPCs get to finish on SIGTERM", default=5.0)
+    # One stuck client must not stall everyone's misses (server/fences.py).
+    fence_timeout_seconds: float = _flag("how long a session may stay mid-step (reading the slot map on the "
+                                         "device) while a slot it may read waits for reuse; then its step "
+                                         "fence is revoked", default=10.0)
+    max_ids_per_acquire: int = _flag("most expert ids in one Acquire or Prefetch (Kimi-K2: 384 a layer)",
+                                     default=1024)
     # Peer-credential allow-lists (SO_PEERCRED): when either is set, a client is served only if
     # its uid is in allowed_uids or its gid or a supplementary group is in allowed_gids; the
     # others get PERMISSION_DENIED. Unset (None): whoever the socket's mode and group let in.
     allowed_uids: tuple[int, ...] | None = None
     allowed_gids: tuple[int, ...] | None = None
-    # A session with neither an Acquire stream nor a data plane connection (attached and never
-    # streamed, or its client died before streaming) is closed after this long.
-    session_idle_seconds: float = 60.0
-    # Most live sessions one peer (uid) may hold; Attach beyond it is refused with
-    # RESOURCE_EXHAUSTED. 0 = no bound (peers are then identified only for an allow-list).
-    max_sessions_per_peer: int = 256
+    # Attached and never streamed, or its client died before streaming.
+    session_idle_seconds: float = _flag("close a session without an Acquire stream or data plane connection "
+                                        "after this long", default=60.0)
+    max_sessions_per_peer: int = _flag("most live sessions one uid may hold (Attach beyond it: "
+                                       "RESOURCE_EXHAUSTED); 0 = no bound", default=256)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here only

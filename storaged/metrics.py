@@ -1,35 +1,48 @@
-"""StoragedMetrics: storaged's Prometheus metrics in a private registry, plus a plain snapshot.
+"""StoragedMetrics: the values of storaged's figures (storaged.stats_snapshot's field table), their
+snapshot, and the Prometheus endpoint that renders it.
 
 Every name starts with `expertpack_storaged_` and carries its unit (`_bytes`, `_seconds`,
-`_total` for counters). The registry is owned by the instance, never prometheus_client's global
-one, so several daemons (or tests) in one process do not collide. `snapshot()` returns the same
-figures as plain numbers for the Stats RPC, keyed without the prefix; labelled series are keyed
-`name{label=value}`, histograms give `name_count` and `name_sum`.
+`_total` for counters; the field table checks it). The registry is owned by the instance, never
+prometheus_client's global one, so several daemons (or tests) in one process do not collide; it
+holds one collector that renders `snapshot()` on each scrape, so /metrics and the Stats RPC read
+the same values.
 
-Recording methods are thread-safe (prometheus_client metrics are), so read worker threads may
-call observe_read while the event loop records hits.
+Recording is thread-safe (one lock), so read worker threads may call observe_read while the
+event loop records hits.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-PREFIX = "expertpack_storaged_"
-TIERS = ("vram", "host")
-# Object reads: a 4 KiB hit in a fast NVMe queue (~100 us) up to a 100 MiB object on a slow disk.
-READ_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
-# Acquire: an all-hit round trip (tens of us) up to a layer of misses from disk.
-ACQUIRE_SECONDS_BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-                           0.1, 0.25, 0.5, 1.0)
+from storaged import stats_snapshot
+from storaged.stats_snapshot import (ACQUIRE_SECONDS_BUCKETS, PREFIX, READ_SECONDS_BUCKETS, TIERS, Histogram,
+                                     Kind, StatField, StatsSnapshot)
+
+__all__ = ["ACQUIRE_SECONDS_BUCKETS", "PREFIX", "READ_SECONDS_BUCKETS", "TIERS", "MetricsServer",
+           "StoragedMetrics", "UnknownFigureError", "UnknownLabelError", "WrongKindError"]
 
 
-class UnknownTierError(ValueError):
-    """A tier label other than those in TIERS."""
+class UnknownFigureError(KeyError):
+    """A figure name the field table does not have."""
+
+
+class UnknownLabelError(ValueError):
+    """A label value outside a field's label_values (e.g. a tier other than those in TIERS), or a
+    label given to an unlabelled figure, or none to a labelled one."""
+
+
+class WrongKindError(TypeError):
+    """A recording that does not fit the figure's kind (observe on a counter, add to a gauge...)."""
 
 
 @dataclass
@@ -50,133 +63,133 @@ class MetricsServer:
         self.thread.join()
 
 
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, the last one above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def figures(self) -> Histogram:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        return Histogram(cumulative, self.sum, tuple(buckets))
+
+
 class StoragedMetrics:
-    def __init__(self) -> None:
+    def __init__(self, fields: tuple[StatField, ...] | None = None) -> None:
+        self.fields = stats_snapshot.table() if fields is None else fields
+        self._by_name = {f.name: f for f in self.fields}
+        self._lock = threading.Lock()
+        self._values: dict[str, float | dict[str, float] | _Histogram] = {}
+        for f in self.fields:
+            if f.kind is Kind.HISTOGRAM:
+                self._values[f.name] = _Histogram(f.buckets)
+            elif f.label is not None:  # every fixed label value exists from the start, at zero
+                self._values[f.name] = {value: 0 for value in f.label_values}
+            else:
+                self._values[f.name] = 0
+        self._tier_names = TIERS
         self.registry = CollectorRegistry(auto_describe=True)
-        r, p = self.registry, PREFIX
-        self.hits = Counter(p + "hits_total", "Acquired experts found resident, by tier", ["tier"], registry=r)
-        self.misses = Counter(p + "misses_total", "Acquired experts not resident, by tier", ["tier"],
-                              registry=r)
-        self.evictions = Counter(p + "evictions_total", "Experts evicted, by tier", ["tier"], registry=r)
-        self.read_bytes = Counter(p + "read_bytes_total", "Bytes read from packs (padded objects)",
-                                  registry=r)
-        self.h2d_bytes = Counter(p + "h2d_bytes_total", "Bytes copied host to device", registry=r)
-        self.read_seconds = Histogram(p + "read_seconds", "Latency of one object read from a pack",
-                                      buckets=READ_SECONDS_BUCKETS, registry=r)
-        self.acquire_seconds = Histogram(p + "acquire_seconds", "Latency of one Acquire, request to reply",
-                                         buckets=ACQUIRE_SECONDS_BUCKETS, registry=r)
-        self.resident_experts = Gauge(p + "resident_experts", "Experts resident, by tier", ["tier"],
-                                      registry=r)
-        self.resident_bytes = Gauge(p + "resident_bytes", "Bytes of resident experts, by tier", ["tier"],
-                                    registry=r)
-        self.io_errors = Counter(p + "io_errors_total", "Pack reads the OS failed", registry=r)
-        self.checksum_failures = Counter(p + "checksum_failures_total", "Objects whose crc32 mismatched",
-                                         registry=r)
-        self.hits_verified = Counter(p + "hits_verified_total",
-                                     "Acquire hits re-checked against their crc32 (verify_hits)", registry=r)
-        self.hit_mismatches = Counter(p + "hit_mismatches_total",
-                                      "Verified hits whose bytes mismatched (reloaded from the pack, not served)",
-                                      registry=r)
-        self.prefetch_issued = Counter(p + "prefetch_issued_total", "Prefetch loads started", registry=r)
-        self.prefetch_used = Counter(p + "prefetch_used_total", "Prefetched experts later acquired",
-                                     registry=r)
-        self.prefetch_wasted = Counter(p + "prefetch_wasted_total",
-                                       "Prefetched experts evicted without being acquired", registry=r)
-        self.sessions = Gauge(p + "sessions", "Attached client sessions", registry=r)
-        self.sessions_idle_closed = Counter(
-            p + "sessions_idle_closed_total",
-            "Sessions closed after session_idle_seconds without an Acquire stream or data plane connection",
-            registry=r)
-        self.sessions_refused = Counter(p + "sessions_refused_total",
-                                        "Attach calls refused because the peer held max_sessions_per_peer sessions",
-                                        registry=r)
-        self.demotions = Counter(p + "demotions_total", "VRAM victims copied down to the host tier",
-                                 registry=r)
-        self.d2h_bytes = Counter(p + "d2h_bytes_total", "Bytes copied device to host (demotions)", registry=r)
-        self.fence_waits = Counter(p + "fence_waits_total",
-                                   "Slot reuses that waited for a session to finish a device step", registry=r)
-        self.fence_wait_seconds = Counter(p + "fence_wait_seconds_total",
-                                          "Seconds slot reuses waited for sessions' device steps", registry=r)
-        self.fence_revocations = Counter(p + "fence_revocations_total",
-                                         "Sessions whose step fence was revoked for staying mid-step too long",
-                                         registry=r)
-        self.dataplane_requests = Counter(p + "dataplane_requests_total", "Data plane requests, by kind",
-                                          ["kind"], registry=r)
-        for tier in TIERS:  # every labelled series exists from the start, at zero
-            for metric in (self.hits, self.misses, self.evictions, self.resident_experts, self.resident_bytes):
-                metric.labels(tier=tier)
+        self.registry.register(_Collector(self))
 
-    # ---- recording --------------------------------------------------------------------------------
+    # ---- recording (generic) ------------------------------------------------------------------
 
-    @staticmethod
-    def _tier(tier: str) -> str:
-        if tier not in TIERS:
-            raise UnknownTierError(f"unknown tier {tier!r}; expected one of {TIERS}")
-        return tier
+    def _field(self, name: str, kinds: tuple[Kind, ...], label: str | None) -> StatField:
+        f = self._by_name.get(name)
+        if f is None:
+            raise UnknownFigureError(f"unknown figure {name!r}; the field table (storaged.stats_snapshot) "
+                                     "has no such name")
+        if f.kind not in kinds:
+            raise WrongKindError(f"figure {name!r} is a {f.kind.value}; this records a "
+                                 f"{' or '.join(k.value for k in kinds)}")
+        if (label is None) != (f.label is None):
+            raise UnknownLabelError(f"figure {name!r} takes {f'a {f.label!r} label' if f.label else 'no label'}")
+        if label is not None and f.label_values and label not in f.label_values:
+            raise UnknownLabelError(f"unknown {f.label} {label!r} for {name!r}; expected one of {f.label_values}")
+        return f
 
-    def record_hit(self, tier: str, count: int = 1) -> None:
-        self.hits.labels(tier=self._tier(tier)).inc(count)
+    def _write(self, name: str, label: str | None, update) -> None:
+        with self._lock:
+            if label is None:
+                self._values[name] = update(self._values[name])
+            else:
+                series = self._values[name]
+                series[label] = update(series.get(label, 0))
 
-    def record_miss(self, tier: str, count: int = 1) -> None:
-        self.misses.labels(tier=self._tier(tier)).inc(count)
+    def add(self, name: str, amount: float = 1, label: str | None = None) -> None:
+        """Count `amount` (>= 0) more on counter `name` (its series `label` if labelled)."""
+        self._field(name, (Kind.COUNTER,), label)
+        if amount < 0:
+            raise ValueError(f"counter {name!r} only goes up; asked to add {amount}")
+        self._write(name, label, lambda old: old + amount)
 
-    def record_eviction(self, tier: str, count: int = 1) -> None:
-        self.evictions.labels(tier=self._tier(tier)).inc(count)
+    def set(self, name: str, value: float, label: str | None = None) -> None:
+        """Set gauge `name`; or counter `name` to a total kept elsewhere (the policy's own counts),
+        which must not go down."""
+        f = self._field(name, (Kind.GAUGE, Kind.COUNTER), label)
+
+        def update(old: float) -> float:
+            if f.kind is Kind.COUNTER and value < old:
+                raise ValueError(f"counter {name!r} only goes up; asked to set {value} below {old}")
+            return value
+        self._write(name, label, update)
+
+    def observe(self, name: str, value: float) -> None:
+        self._field(name, (Kind.HISTOGRAM,), None)
+        with self._lock:
+            self._values[name].observe(value)
+
+    def set_tier_names(self, names: tuple[str, ...]) -> None:
+        """The cache tiers serving (the Stats reply lists these); every one must be in TIERS."""
+        unknown = [name for name in names if name not in TIERS]
+        if unknown:
+            raise UnknownLabelError(f"unknown tier(s) {unknown}; expected some of {TIERS}")
+        self._tier_names = tuple(names)
+
+    # ---- recording (what the daemon's components call) ---------------------------------------
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
-        self.read_bytes.inc(nbytes)
-        self.read_seconds.observe(seconds)
+        self.add("read_bytes_total", nbytes)
+        self.observe("read_seconds", seconds)
 
     def record_h2d(self, nbytes: int) -> None:
-        self.h2d_bytes.inc(nbytes)
+        self.add("h2d_bytes_total", nbytes)
 
     def observe_acquire(self, seconds: float) -> None:
-        self.acquire_seconds.observe(seconds)
-
-    def set_resident(self, tier: str, experts: int, nbytes: int) -> None:
-        self.resident_experts.labels(tier=self._tier(tier)).set(experts)
-        self.resident_bytes.labels(tier=tier).set(nbytes)
+        self.observe("acquire_seconds", seconds)
 
     def record_io_error(self) -> None:
-        self.io_errors.inc()
+        self.add("io_errors_total")
 
     def record_checksum_failure(self) -> None:
-        self.checksum_failures.inc()
+        self.add("checksum_failures_total")
 
     def record_hit_verified(self, *, mismatch: bool) -> None:
-        self.hits_verified.inc()
+        self.add("hits_verified_total")
         if mismatch:
-            self.hit_mismatches.inc()
-
-    def record_prefetch(self, *, issued: int = 0, used: int = 0, wasted: int = 0) -> None:
-        self.prefetch_issued.inc(issued)
-        self.prefetch_used.inc(used)
-        self.prefetch_wasted.inc(wasted)
-
-    def set_sessions(self, count: int) -> None:
-        self.sessions.set(count)
+            self.add("hit_mismatches_total")
 
     def record_demotion(self, nbytes: int) -> None:
-        self.demotions.inc()
-        self.d2h_bytes.inc(nbytes)
+        self.add("demotions_total")
+        self.add("d2h_bytes_total", nbytes)
 
     def record_dataplane_request(self, kind: str) -> None:
-        self.dataplane_requests.labels(kind=kind).inc()
+        self.add("dataplane_requests_total", label=kind)
 
-    # ---- export -----------------------------------------------------------------------------------
+    # ---- export -------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, float]:
-        """Every series as a plain number, e.g. {'hits_total{tier=vram}': 3.0, 'read_seconds_count': 9.0}."""
-        figures: dict[str, float] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name.endswith(("_created", "_bucket")):
-                    continue  # creation timestamps and buckets are for Prometheus, not the Stats RPC
-                key = sample.name.removeprefix(PREFIX)
-                if sample.labels:
-                    key += "{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
-                figures[key] = float(sample.value)
-        return figures
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            values = {name: value.figures() if isinstance(value, _Histogram)
+                      else dict(value) if isinstance(value, dict) else value
+                      for name, value in self._values.items()}
+            return StatsSnapshot(values, self._tier_names, self.fields)
 
     def exposition(self) -> bytes:
         """The text exposition format, as /metrics serves it."""
@@ -186,3 +199,29 @@ class StoragedMetrics:
         """Serve /metrics on addr:port (port 0 picks a free one) from a daemon thread."""
         server, thread = prometheus_client.start_http_server(port, addr=addr, registry=self.registry)
         return MetricsServer(server, thread)
+
+
+class _Collector:
+    """The snapshot as Prometheus metric families (the first of its two renderings; the Stats
+    reply, storaged.server.stats, is the other)."""
+
+    def __init__(self, metrics: StoragedMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        snapshot = self.metrics.snapshot()
+        for f in snapshot.fields:
+            name, value = PREFIX + f.name, snapshot.values[f.name]
+            if f.kind is Kind.HISTOGRAM:
+                family = HistogramMetricFamily(name, f.help)
+                family.add_metric([], [(floatToGoString(bound), count) for bound, count in value.buckets],
+                                  value.sum)
+            else:
+                make = CounterMetricFamily if f.kind is Kind.COUNTER else GaugeMetricFamily
+                if f.label is None:
+                    family = make(name, f.help, value=value)
+                else:
+                    family = make(name, f.help, labels=[f.label])
+                    for label, number in sorted(value.items()):
+                        family.add_metric([label], number)
+            yield family

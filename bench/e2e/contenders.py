@@ -54,7 +54,7 @@ class BuiltContender:
 
 def budget_bytes(model: PreparedModel, fraction: float) -> int:
     """`fraction` of every routed expert's pack object (padded slots), in bytes."""
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     with open_bundle(model.bundle_dir) as bundle:
         stride, objects = bundle.pack.header.object_stride, len(list(bundle.pack))
@@ -120,7 +120,7 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
     from bench.storaged_runs import StoragedProcess
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     with open_bundle(model.bundle_dir) as bundle:
         stride = bundle.pack.header.object_stride

@@ -15,10 +15,10 @@ import torch
 
 from inference.experts.errors import ExpertLayoutError
 from inference.experts.source import uniform_layout
-from packtools.bundle import Bundle
+from packformat import RoleEntry
+from packformat.bundle import Bundle
 from packtools.gguf.experts import find_expert_tensors
 from packtools.gguf.files import index_tensors, open_shards
-from packtools.pack import RoleEntry
 
 
 class GGUFMmapSource:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from packtools.pack import constants as C
+from packformat import constants as C
 
 
 class ShapeError(ValueError):

@@ -24,7 +24,7 @@ from inference.dequant.errors import (
     ShapeError,
     UnsupportedTypeError,
 )
-from packtools.pack.constants import SCALED_WEIGHT_TYPES, SUPPORTED_TYPES, ElementType, block_shape
+from packformat.constants import SCALED_WEIGHT_TYPES, SUPPORTED_TYPES, ElementType, block_shape
 
 Backend = Literal["auto", "torch", "triton"]
 BlockDequantizer = Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, type_size] -> f32 [n, qk]

@@ -22,8 +22,8 @@ from inference.dequant.errors import (
     ShapeError,
     UnsupportedTypeError,
 )
-from packtools.pack.constants import SCALED_WEIGHT_TYPES, ElementType
-from packtools.pack.scales import scale_group_size
+from packformat.constants import SCALED_WEIGHT_TYPES, ElementType
+from packformat.scales import scale_group_size
 
 # (weight type, scale type) -> uint8 codes [rows, cols / 2], uint8 scales [rows, groups], group
 # -> float32 [rows, cols]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from inference.dequant.torch_common import viewable_as
-from packtools.pack.constants import ElementType
+from packformat.constants import ElementType
 
 FLOAT_DTYPES: dict[ElementType, torch.dtype] = {
     ElementType.F32: torch.float32,

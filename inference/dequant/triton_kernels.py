@@ -13,7 +13,7 @@ import torch
 import triton
 
 from inference.dequant import triton_kquants, triton_legacy
-from packtools.pack.constants import ElementType, block_shape
+from packformat.constants import ElementType, block_shape
 
 MAX_GRID_ROWS = 65535  # CUDA's limit on grid dimension 1, which indexes rows
 

@@ -12,6 +12,13 @@ write position moved back: the same position is simply written again) and run on
 acquire path, which loads what was missing. The session's step fence brackets the device work,
 so storaged never reuses a slot the step may read.
 
+The prefill runs the same way: the prompt padded to a power of two (at least PREFILL_MIN_BUCKET
+tokens, at most PREFILL_MAX_BUCKET and the cache), one CUDA graph per such length, captured on
+first use; the padding's keys lie past the prompt, where the mask hides them until decode steps
+overwrite them, and the logits are taken at the last prompt token. A prefill that met an absent
+expert runs again eagerly on the acquire path. Without it, a prefill would be bound by the
+host: a few hundred eager launches per layer's worth of Python.
+
 Where it applies (`why_not` says otherwise): a CUDA device (elsewhere the same step runs
 uncaptured, which tests use on the CPU), the fused experts path on every MoE layer, a storaged
 source that publishes its slot map on the model's device, a model transformers marks as
@@ -22,17 +29,39 @@ e.g. gpt_oss, kimi_linear, deepseek_v4), and prompts that fit the static cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from inference.engine.compiled_layers import compiled_layers, why_not_compiled
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_STEPS = 32  # most steps decoded on the acquire path after misses before trying the graph again
+PREFILL_MIN_BUCKET = 16  # shortest padded prefill (tokens): fewer graphs for short prompts
+PREFILL_MAX_BUCKET = 1024  # longer prompts prefill eagerly
+
+
+def prefill_bucket(count: int, max_len: int) -> int | None:
+    """The padded length a prompt of `count` tokens prefills at through a graph, or None (eager)."""
+    bucket = max(PREFILL_MIN_BUCKET, 1 << (count - 1).bit_length())
+    return bucket if bucket <= min(max_len, PREFILL_MAX_BUCKET) else None
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """The static inputs of one padded prefill length, and its graph once captured."""
+
+    ids: torch.Tensor  # [1, B] the prompt, then padding
+    positions: torch.Tensor  # [1, B]
+    mask: torch.Tensor  # [1, 1, B, L] causal over the cache
+    last: torch.Tensor  # [1] index of the last prompt token: the logits kept
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
 
 
 def why_not(model: torch.nn.Module, source, device: torch.device) -> str | None:
@@ -63,7 +92,8 @@ def _bindings(model: torch.nn.Module) -> dict[int, ExpertsBinding]:
 
 
 class StaticDecoder:
-    def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool):
+    def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool,
+                 lookup_prefill: bool | None = None, compile_layers: bool | None = None):
         self.model = model
         self.source = source
         self.max_len = max_len
@@ -82,6 +112,18 @@ class StaticDecoder:
         self._graph_logits: torch.Tensor | None = None
         self.lookup_enabled = True  # off once the daemon revoked our fence: acquire path only
         self.steps = self.lookup_steps = self.redone_steps = self.skipped_steps = 0
+        # prefill through the slot map (padded, a graph per length when capturing); on by default
+        # with capture, where it takes the host's launches out of the prefill
+        self.lookup_prefill = capture if lookup_prefill is None else lookup_prefill
+        self._prefills: dict[int, _Prefill] = {}
+        self.lookup_prefills = self.redone_prefills = 0
+        if compile_layers and (reason := why_not_compiled(model)) is not None:
+            raise ValueError(f"compile_layers: {reason}")
+        # the captured decode step runs inductor-compiled decoder layers: on by default with
+        # capture where the model allows it (fewer, fused kernels: 0.49x -> 0.58x llama.cpp's
+        # decode on the Qwen3-like shape, docs/benchmarks.md)
+        self.compile_layers = (capture and why_not_compiled(model) is None) if compile_layers is None \
+            else compile_layers
         # After a step that met an absent expert, the next 1, 2, 4 ... 32 steps go straight to the
         # acquire path: when the cache holds less than the working set, almost every step misses,
         # and replaying the graph first would only add its time to each step.
@@ -92,14 +134,14 @@ class StaticDecoder:
 
     @classmethod
     def create(cls, model: torch.nn.Module, source, *, max_len: int, cache_keyword: str,
-               capture: bool | None = None) -> StaticDecoder | None:
+               capture: bool | None = None, compile_layers: bool | None = None) -> StaticDecoder | None:
         device = model.get_input_embeddings().weight.device
         reason = why_not(model, source, device)
         if reason is not None:
             log.info("decode steps run eagerly: %s", reason)
             return None
         return cls(model, source, max_len, cache_keyword=cache_keyword,
-                   capture=device.type == "cuda" if capture is None else capture)
+                   capture=device.type == "cuda" if capture is None else capture, compile_layers=compile_layers)
 
     def _follow_source(self) -> None:
         """Read the source's slot map, arena and fence again when its session changed (a reconnect
@@ -110,6 +152,7 @@ class StaticDecoder:
         if fence is self.fence and self.fence is not None:
             return
         self._graph = self._graph_logits = None
+        self._prefills = {}
         if lookup is None:  # a session without a slot map on this device: acquire path only
             self.fence, self._lookups, self.lookup_enabled = None, {}, False
             return
@@ -151,11 +194,64 @@ class StaticDecoder:
         count = len(prompt_ids)
         if not 0 < count < self.max_len:
             raise ValueError(f"a prompt of {count} tokens does not fit a static cache of {self.max_len}")
+        self.length = count
+        if self.lookup_prefill and self.lookup_enabled:
+            logits = self._lookup_prefill(prompt_ids)
+            if logits is not None:
+                return logits
+            self.cache.reset()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
         positions = torch.arange(count, device=self.device).view(1, count)
         mask = self._kv_index <= positions.view(1, 1, count, 1)  # [1, 1, P, L] causal over the cache
-        self.length = count
         return self._call(ids, positions, mask)
+
+    def _lookup_prefill(self, prompt_ids: list[int]) -> torch.Tensor | None:
+        """The prefill padded to its bucket through the slot map (its graph, captured on first
+        use); None when the prompt has no bucket or an expert was absent (cache left dirty)."""
+        count = len(prompt_ids)
+        bucket = prefill_bucket(count, self.max_len)
+        if bucket is None or not self._every_expert_resident():
+            return None
+        prefill = self._prefills.get(bucket)
+        if prefill is None:
+            prefill = self._prefills[bucket] = self._new_prefill(bucket)
+        padded = torch.zeros((1, bucket), dtype=torch.long)  # [1, B] padding: token 0
+        padded[0, :count] = torch.tensor(prompt_ids, dtype=torch.long)
+        prefill.ids.copy_(padded)
+        prefill.last.fill_(count - 1)
+        if prefill.graph is not None:
+            logits = self._fenced(prefill.graph.replay, lambda: prefill.logits)
+        else:
+            logits = self._fenced(None, lambda: self._prefill_call(prefill))
+        if logits is None:
+            self.redone_prefills += 1
+            return None
+        for layer in self.cache.layers:  # the padding's keys stay past the length, masked, then overwritten
+            layer.cumulative_length.fill_(count)
+        self.lookup_prefills += 1
+        return logits
+
+    def _every_expert_resident(self) -> bool:
+        """Whether the slot map holds every expert of the model now: a prompt routes to most of a
+        layer's experts, so short of that the optimistic prefill would mostly be thrown away."""
+        lookup = self.source.device_lookup()
+        return lookup is not None and bool((lookup[0] >= 0).all())
+
+    def _new_prefill(self, bucket: int) -> _Prefill:
+        positions = torch.arange(bucket, device=self.device).view(1, bucket)
+        prefill = _Prefill(torch.zeros((1, bucket), dtype=torch.long, device=self.device), positions,
+                           self._kv_index <= positions.view(1, 1, bucket, 1),
+                           torch.zeros(1, dtype=torch.long, device=self.device))
+        if self.capture:
+            prefill.graph, prefill.logits = self._capture_graph(lambda: self._prefill_call(prefill))
+            log.info("prefill of %d tokens captured as a CUDA graph", bucket)
+        return prefill
+
+    def _prefill_call(self, prefill: _Prefill) -> torch.Tensor:
+        self.misses.zero_()
+        out = self.model(input_ids=prefill.ids, position_ids=prefill.positions, attention_mask=prefill.mask,
+                         use_cache=True, logits_to_keep=prefill.last, **{self.cache_keyword: self.cache})
+        return out.logits[0, -1]  # [V]
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [V] after feeding `token` at the next position; reads experts via the slot map,
@@ -183,6 +279,20 @@ class StaticDecoder:
         return logits
 
     def _lookup_step(self) -> torch.Tensor | None:
+        logits = self._fenced(self._graph.replay if self._graph is not None else None,
+                              (lambda: self._graph_logits) if self._graph is not None else self._step_call)
+        if logits is None:
+            for layer in self.cache.layers:  # undo: the step's position is written again
+                layer.cumulative_length.sub_(1)
+            self.redone_steps += 1
+            return None
+        self.lookup_steps += 1
+        return logits
+
+    def _fenced(self, replay, result) -> torch.Tensor | None:
+        """Run device work that reads experts through the slot map under the session's step fence:
+        `replay()` (a graph) then `result()`, or, uncaptured, `result()` with the lookups bound.
+        The logits, or None when an expert was absent or the daemon revoked the fence."""
         from storaged.client.dataplane import FenceRevoked
 
         finish = getattr(self.source, "finish_resident_step", None)
@@ -194,29 +304,23 @@ class StaticDecoder:
             self._revoked()
             return None
         try:
-            if self._graph is not None:
-                self._graph.replay()
-                logits = self._graph_logits
+            if replay is not None:
+                replay()
+                logits = result()
             else:
                 self._set_lookup(True)
                 try:
-                    logits = self._step_call()
+                    logits = result()
                 finally:
                     self._set_lookup(False)
-            absent = int(self.misses.item())  # the step's one host sync (its work has completed)
+            absent = int(self.misses.item())  # the one host sync (the work has completed)
         finally:
             try:
                 self.fence.end()
             except FenceRevoked:
                 self._revoked()
                 absent = -1
-        if absent:
-            for layer in self.cache.layers:  # undo: the step's position is written again
-                layer.cumulative_length.sub_(1)
-            self.redone_steps += 1
-            return None
-        self.lookup_steps += 1
-        return logits
+        return None if absent else logits
 
     def _revoked(self) -> None:
         log.warning("storaged revoked this session's step fence; decode steps use the acquire path from now on")
@@ -225,28 +329,46 @@ class StaticDecoder:
     # --- capture --------------------------------------------------------------------------------
 
     def _capture(self) -> None:
-        """Record one decode step as a CUDA graph: warm it up (kernels compiled, cache allocated)
-        on a side stream, capture it, then leave the cache empty."""
+        """Record one decode step as a CUDA graph (the cache allocated by a first call), then
+        leave the cache empty."""
         self.cache.reset()
         self._call(torch.zeros((1, 1), dtype=torch.long, device=self.device),
                    torch.zeros((1, 1), dtype=torch.long, device=self.device),
                    torch.ones((1, 1, 1, self.max_len), dtype=torch.bool, device=self.device))  # allocates the cache
         self.positions.fill_(1)
+        if self.compile_layers:
+            try:
+                with compiled_layers(self.model):
+                    self._graph, self._graph_logits = self._capture_graph(self._step_call)
+            except Exception as exc:  # inductor or dynamo cannot take this model: eager layers, same graph
+                log.warning("compiling the decoder layers failed (%s: %s); the decode step is captured with eager "
+                            "layers", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.compile_layers = False
+                self.cache.reset()
+        if not self.compile_layers:
+            self._graph, self._graph_logits = self._capture_graph(self._step_call)
+        log.info("decode step captured as a CUDA graph (static cache of %d tokens%s)", self.max_len,
+                 ", compiled decoder layers" if self.compile_layers else "")
+
+    def _capture_graph(self, call) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `call` up (kernels compiled, workspaces allocated) on a side stream under the
+        fence, capture it with the slot-map lookups bound, then leave the cache empty."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         self._set_lookup(True)
         try:
             with torch.cuda.stream(side):
                 for _ in range(2):
+                    self.cache.reset()  # a prefill as long as the cache must not run past its end
                     with self.fence.step():
-                        self._step_call()
+                        call()
                         side.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(side)
+            self.cache.reset()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._step_call()
+                logits = call()
         finally:
             self._set_lookup(False)
-        self._graph, self._graph_logits = graph, logits
         self.cache.reset()
-        log.info("decode step captured as a CUDA graph (static cache of %d tokens)", self.max_len)
+        return graph, logits

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from inference.engine.constraints import TokenConstraint
 from inference.engine.errors import InvalidRequestError
 from inference.engine.params import Finished, SamplingParams, TextDelta, Usage
 from inference.engine.sampling import TokenSampler
@@ -142,7 +143,9 @@ class ModelRunner:
         static = self.decoder if self.decoder is not None and self.decoder.fits(
             len(prompt_ids), params.max_tokens) else None
         with torch.inference_mode():
-            sampler = TokenSampler(params, prompt_ids, device=self.device, stop_ids=stop_ids)
+            constraint = (TokenConstraint(self.tokenizer, params.grammar, stop_ids)
+                          if params.grammar is not None else None)
+            sampler = TokenSampler(params, prompt_ids, device=self.device, stop_ids=stop_ids, constraint=constraint)
             input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
             cache = None
             while len(tokens) < params.max_tokens:
@@ -165,7 +168,7 @@ class ModelRunner:
                 if safe:
                     emit(TextDelta(safe, index, tuple(logprobs[reported:]), len(tokens)))
                     reported = len(logprobs)
-                if matched_stop:
+                if matched_stop or (constraint is not None and constraint.finished):
                     finish_reason = FINISH_STOP
                     break
                 input_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]

@@ -40,6 +40,9 @@ class SamplingParams:
     dropped, then all but the top_k, then all outside the top_p nucleus, and one token is drawn
     with a torch.Generator seeded from `seed` (None: a fresh random seed).
 
+    With a `grammar`, every token it does not allow next is masked before any of that (the output
+    matches it), and the choice ends once the grammar is complete.
+
     Defaults switch every step off. `logprobs` None returns none; k >= 0 returns each sampled
     token's log-probability and the k most likely ones, from the model's raw distribution.
     """
@@ -60,6 +63,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: str | None = None  # llguidance's grammar text (inference.engine.constraints) the output must match
 
     def __post_init__(self):
         if not _is_int(self.max_tokens):
@@ -97,6 +101,11 @@ class SamplingParams:
                     f"must be an integer in [0, max_tokens={self.max_tokens}], got {shown(self.min_tokens)}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _refuse("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            _refuse("response_format", f"grammar must be llguidance's grammar text, got {shown(self.grammar)}")
+        if self.grammar is not None and self.min_tokens:
+            # the grammar may allow nothing but an end token while min_tokens masks them all
+            _refuse("min_tokens", "cannot be combined with structured output (response_format, tool_choice)")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -104,7 +104,8 @@ def check_template_kwargs(tokenizer, kwargs: Mapping[str, object], *, param: str
 
 
 def render_chat(tokenizer, messages: list[dict], *, template_kwargs: Mapping[str, object] | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict] | None = None) -> str:
     """The prompt text the tokenizer's chat template makes of `messages`: ready for the assistant's turn,
     or (continue_final_message) ending inside the last message so that generation continues it."""
     if not getattr(tokenizer, "chat_template", None):
@@ -116,15 +117,16 @@ def render_chat(tokenizer, messages: list[dict], *, template_kwargs: Mapping[str
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False,
-                                             **dict(template_kwargs or {}))
+                                             tools=tools or None, **dict(template_kwargs or {}))
     except Exception as exc:  # jinja raises whatever the template raises (raise_exception, TypeError...)
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
 
 
 def encode_chat(tokenizer, messages: list[dict], *, template_kwargs: Mapping[str, object] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     # the template writes any BOS itself; adding special tokens again would double it (vLLM's default too)
     text = render_chat(tokenizer, messages, template_kwargs=template_kwargs,
-                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools)
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

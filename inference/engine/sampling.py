@@ -10,6 +10,7 @@ have no transformers counterpart and are a line each here.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.generation.logits_process import (
@@ -19,6 +20,9 @@ from transformers.generation.logits_process import (
 )
 
 from inference.engine.params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from inference.engine.constraints import TokenConstraint
 
 
 def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -61,14 +65,16 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 class TokenSampler:
     """Picks one request's tokens, step after step; holds what its penalties need to remember.
 
+    `constraint` (a request's grammar) masks what it forbids before any other step.
     `stop_ids` are the ids that would end the request (EOS unless ignore_eos, and stop_token_ids):
     they are masked while fewer than min_tokens tokens exist. Only the steps a request switches on
     cost anything: with every option at its default a step is an argmax or one nucleus draw.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], *, device: torch.device,
-                 stop_ids: Iterable[int] = ()):
+                 stop_ids: Iterable[int] = (), constraint: TokenConstraint | None = None):
         self.params = params
+        self.constraint = constraint  # the grammar's mask comes first; logprobs stay the model's own
         self.device = device
         self.generator = request_generator(params, device)
         self.generated = 0
@@ -128,6 +134,9 @@ class TokenSampler:
         p = self.params
         if self._vocab is None:
             self._prepare(int(logits.shape[-1]))
+        raw = logits
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         plain = (self._bias is None and self._counts is None and self._history is None and self._min_p is None
                  and self._top_k is None and not (self.generated < p.min_tokens and self._stop_ids))
         if plain:  # the common request: exactly the two-step path, no extra kernels
@@ -135,8 +144,10 @@ class TokenSampler:
         else:
             processed = self._processed(logits)
             token = int(torch.argmax(processed) if p.greedy else self._sample(processed))
-        entry = self._logprob(logits, token) if p.logprobs is not None else None
+        entry = self._logprob(raw, token) if p.logprobs is not None else None
         self._remember(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         return token, entry
 
     def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:

@@ -16,7 +16,7 @@ backed by a daemon (storaged) may also offer:
   is down or restarting" (storaged.client.errors.Unavailable is always recognized).
 - `data_loss_errors`, `capacity_errors`: exception types that mean "an expert object failed its
   integrity check" and "the source has no room for one step's experts now" (storaged's DataLoss
-  and CapacityExhausted, and packtools' ObjectChecksumError, are always recognized).
+  and CapacityExhausted, and packformat's ObjectChecksumError, are always recognized).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def unavailable_error_types(source) -> tuple[type[BaseException], ...]:
 
 
 def _storaged_storage_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(data loss types, capacity types) of storaged's client and packtools' pack reader."""
+    """(data loss types, capacity types) of storaged's client and packformat's pack reader."""
     data_loss: tuple[type[BaseException], ...] = ()
     capacity: tuple[type[BaseException], ...] = ()
     try:
-        from packtools.pack.errors import ObjectChecksumError
+        from packformat.errors import ObjectChecksumError
         data_loss += (ObjectChecksumError,)
     except ImportError:
         pass

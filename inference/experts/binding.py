@@ -20,9 +20,14 @@ from inference.kernels.ops import fused_unavailable_reason
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-def register_experts_implementation() -> None:
-    """Make "expertpack" a valid experts_implementation (idempotent)."""
-    ExpertsInterface.register(IMPLEMENTATION_NAME, expertpack_experts_forward)
+def register_experts_implementation(*, graph_break: bool = False) -> None:
+    """Make "expertpack" a valid experts_implementation (idempotent). graph_break: registered
+    behind torch.compiler.disable, so that a compiled decoder layer leaves the experts call to
+    our own kernels (inference.engine.compiled_layers); once so, it stays so."""
+    if graph_break:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, torch.compiler.disable(expertpack_experts_forward))
+    elif getattr(ExpertsInterface, "_global_mapping", {}).get(IMPLEMENTATION_NAME) is None:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, expertpack_experts_forward)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:

@@ -5,15 +5,18 @@ top_k_index [T, k], top_k_weights [T, k])` in place of the module's own forward.
 routed parameters stay on the meta device; the weights come from the expert source. Three paths,
 chosen per call:
 
-- **device lookup** (inside a captured decode step, see inference.engine.decode_graph): the
+- **device lookup** (inside a captured decode step or prefill, see inference.engine.decode_graph): the
   slots come from storaged's device-readable slot map, no host sync at all; a pair whose expert
   is absent counts a miss and the caller runs the step again on the acquire path.
 - **fused** (CUDA, bfloat16/float16): group the pairs by expert (the one host sync, which also
   carries the next layer's predicted experts as a prefetch hint), acquire the distinct experts,
   then compute from the slots in place (inference.experts.fused). Where the source offers a
   resident lookup (storaged's slot map, read under the session's step fence), the same transfer
-  brings the experts' slots, and a layer whose experts are all resident skips the Acquire; the
-  model's forward hook (`finish_resident_steps`) ends the step once its work completed.
+  brings the experts' slots, and a layer whose routed experts are all resident skips the
+  Acquire; a layer whose *every* expert was resident when the step opened (the lookup's
+  `complete` layers) does not even wait for the transfer: its slots, block table and GEMMs stay
+  on the device. The model's forward hook (`finish_resident_step`) ends the step once its work
+  completed.
 - **exact** (CPU, float32 checks, or wherever the fused kernels cannot run): group the pairs by
   expert; acquire; dequantize each weight for all experts at once (LayerPlan.materialize); per
   expert, exactly the ops of transformers' eager forward, in its order (one expert at a time,
@@ -74,12 +77,18 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     if binding.lookup is not None:
         return _lookup_forward(self, binding, hidden_states, top_k_index, top_k_weights)
 
+    lookup = _open_resident_lookup(binding)
+    if lookup is not None and binding.layer in lookup.complete:
+        out = _complete_layer_forward(self, binding, lookup, hidden_states, top_k_index, top_k_weights)
+        if out is not None:
+            return out
+
     pair_experts = top_k_index.reshape(-1)  # [S], S = T * k, pair p = (token p // k, slot p % k)
     sorted_experts, pair_order = torch.sort(pair_experts, stable=True)  # pairs grouped by expert
     unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     hint = binding.predict.predict(hidden_states) if binding.predict is not None else None
     plan = binding.plan
-    resident = _resident_lookup(binding, unique, plan.target.num_experts)
+    resident = _resident_slots(lookup, binding, unique, plan.target.num_experts)
     # the one device -> host sync; with a resident lookup it also brings the experts' slots
     expert_ids, expert_counts, predicted, slots = _to_host(unique, counts, hint,
                                                            resident[1] if resident is not None else None)
@@ -126,17 +135,43 @@ def _groups(ids: list[int], counts: list[int], capacity: int | None) -> list[tup
     return [(ids[i:i + capacity], counts[i:i + capacity]) for i in range(0, len(ids), capacity)]
 
 
-def _resident_lookup(binding: ExpertsBinding, unique: torch.Tensor, num_experts: int):
-    """(ResidentLookup, int32 slots of `unique` on the device) when the fused path may compute this
-    layer from the slot map without an Acquire (the source opened its resident step), else None."""
+def _open_resident_lookup(binding: ExpertsBinding):
+    """The source's ResidentLookup (its resident step opened if it was not) when the fused path
+    may compute this layer from the slot map without an Acquire, else None."""
     if not binding.use_fused_kernels:
         return None
     lookup_of = getattr(binding.source, "resident_lookup", None)
     lookup = lookup_of() if callable(lookup_of) else None
     if lookup is None or binding.layer not in lookup.rows:
         return None
+    return lookup
+
+
+def _resident_slots(lookup, binding: ExpertsBinding, unique: torch.Tensor, num_experts: int):
+    """(lookup, int32 slots of `unique` on the device), or None without a lookup."""
+    if lookup is None:
+        return None
     # clamped: an out-of-range id is refused after the transfer, and must not fault the gather first
     return lookup, lookup.rows[binding.layer][unique.clamp(0, num_experts - 1)]
+
+
+def _complete_layer_forward(module, binding: ExpertsBinding, lookup, hidden_states, top_k_index, top_k_weights
+                            ) -> torch.Tensor | None:
+    """A layer whose every expert was resident when the step opened: its slots come from the
+    slot map on the device and nothing waits for the host (no routing transfer, no Acquire, no
+    hint: the next layers' experts are resident too, or their own transfer sends it). None when
+    the layer's weights need the host's grouping (prefill of weights the GEMM cannot read)."""
+    from inference.experts import fused as F
+
+    layer_map = lookup.rows[binding.layer]  # int32 [E], every entry >= 0
+    tokens, top_k = top_k_index.shape
+    if tokens * top_k <= F.GROUPED_PAIRS:
+        return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, layer_map, lookup.arena,
+                      lookup.stride)
+    if binding.fused is None:
+        return None
+    return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
+                                    layer_map, lookup.arena, lookup.stride)
 
 
 def _to_host(unique: torch.Tensor, counts: torch.Tensor, hint: torch.Tensor | None, slots: torch.Tensor | None
@@ -236,6 +271,12 @@ def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_we
 
 
 def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    from inference.experts import fused as F
+
     lookup = binding.lookup  # this layer's row of the slot map; absent experts counted in lookup.misses
+    tokens, top_k = top_k_index.shape
+    if tokens * top_k > F.GROUPED_PAIRS and binding.fused is not None:  # a prefill captured whole
+        return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
+                                        top_k_weights, lookup.layer_map, lookup.arena, lookup.stride, lookup.misses)
     return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lookup.layer_map, lookup.arena,
                   lookup.stride, lookup.misses)

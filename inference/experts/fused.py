@@ -27,7 +27,8 @@ import dataclasses
 import torch
 
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
-from inference.kernels.ops import GemvWeight, gemm_blocks, gemv_weight, moe_combine, moe_gemm, moe_gemv
+from inference.kernels.ops import (GemmBlocks, GemvWeight, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine,
+                                  moe_gemm, moe_gemv)
 
 GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
 
@@ -141,7 +142,13 @@ def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan |
     block of an expert's pairs dequantizing its weights once (inference.kernels); without
     (weights the kernels cannot read): each expert dequantized once, then torch's grouped GEMMs."""
     if fused is not None:
-        return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, counts, rows, arena, stride)
+        blocks = gemm_blocks(rows, counts).to(x.device)
+
+        def pair_slots() -> torch.Tensor:  # int32 [S]
+            slots = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(counts))
+            return slots.to(x.device)
+
+        return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, blocks, pair_slots, arena, stride)
     from inference.experts.forward import expert_outputs
 
     count = arena.numel() // stride
@@ -153,17 +160,17 @@ def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan |
 
 
 def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor, top_k: int,
-                         pairs: torch.Tensor, counts: list[int], rows: list[int], arena: torch.Tensor,
+                         pairs: torch.Tensor, blocks: GemmBlocks, pair_slots, arena: torch.Tensor,
                          stride: int) -> torch.Tensor:
+    """grouped_outputs' in-place GEMMs over `blocks` (on x's device); `pair_slots()` gives the
+    slot of each sorted pair, needed only for the small bias roles."""
     total = pairs.numel()
-    blocks = gemm_blocks(rows, counts).to(x.device)
     parts = [moe_gemm(x, pairs, blocks, arena, stride, w, pairs=total, top_k=top_k, gather_tokens=True)
              for w in fused.up]  # [S, rows_i], sorted order
     gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [S, 2I] (or [S, I])
     object_rows = None
     if fused.up_biases or fused.down_bias is not None:
-        slots = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(counts))  # [S]
-        object_rows = _pair_rows(slots.to(x.device), arena, stride)
+        object_rows = _pair_rows(pair_slots(), arena, stride)
     gate_up = _add_bias(gate_up, fused.up_biases, plan, object_rows)
     hidden = _activate(module, plan, fused, gate_up).contiguous()  # [S, I]
     down = moe_gemm(hidden, pairs, blocks, arena, stride, fused.down, pairs=total, top_k=top_k, gather_tokens=False)
@@ -171,6 +178,25 @@ def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedP
     if getattr(module, "has_post_expert_norm", False):
         down = module.post_expert_norm(down)
     return down  # [S, H]
+
+
+def device_grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
+                           arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped_forward for experts found at slot_map[expert] (int32 [E]): the sort, the block
+    table and the GEMMs all stay on the device, so the layer needs no host synchronization (the
+    block table is sized for any routing). A pair whose expert is absent (-1) is counted in
+    `misses` (int32 [1]) and computed from slot 0: garbage that the caller throws away."""
+    tokens, top_k = top_k_index.shape
+    sorted_experts, pair_order = torch.sort(top_k_index.reshape(-1), stable=True)  # [S] pairs grouped by expert
+    if misses is not None:
+        misses.add_((slot_map[sorted_experts] < 0).sum(dtype=torch.int32))
+    blocks = device_gemm_blocks(sorted_experts, slot_map)
+    out = _sorted_gemm_outputs(module, plan, fused, x, top_k, pair_order, blocks,
+                               lambda: slot_map[sorted_experts].clamp(min=0), arena, stride)  # [S, H] sorted order
+    by_pair = torch.empty_like(out)
+    by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
+    return moe_combine(by_pair, top_k_weights, top_k_index)
 
 
 def grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan | None, x: torch.Tensor,

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from inference.experts.errors import ExpertLayoutError
 from inference.experts.role_dequant import dequantize_roles, dequantize_scaled_roles
-from packtools.pack import RoleEntry
-from packtools.pack.constants import SCALE_ROLES, WEIGHT_ROLE_OF, Role
-from packtools.pack.scales import ScalePairError, check_scale_pairs
+from packformat import RoleEntry
+from packformat.constants import SCALE_ROLES, WEIGHT_ROLE_OF, Role
+from packformat.scales import ScalePairError, check_scale_pairs
 
 ORIENTATIONS = ("out_in", "in_out")
 Which = int | torch.Tensor | None  # an expert, one row per expert, or grouped rows (cumulative counts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from inference.dequant import dequantize_many, dequantize_scaled_many
-from packtools.pack.constants import ElementType, tensor_nbytes
+from packformat.constants import ElementType, tensor_nbytes
 
 FLOAT_VIEWS: dict[ElementType, torch.dtype] = {
     ElementType.F32: torch.float32,

@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from inference.experts.errors import ExpertLayoutError
-from packtools.bundle import Bundle
-from packtools.pack import RoleEntry
+from packformat import RoleEntry
+from packformat.bundle import Bundle
 
 
 @runtime_checkable

@@ -34,15 +34,14 @@ import time
 import zlib
 from collections.abc import Sequence
 
-import grpc
 import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
-from packtools.bundle import MANIFEST, Bundle
-from packtools.pack import RoleEntry
-from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StorageClient, StorageError,
-                             Unavailable)
+from packformat import RoleEntry
+from packformat.bundle import MANIFEST, Bundle
+from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StatusCode, StorageClient,
+                             StorageError, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +58,14 @@ class StoragedBundleMismatchError(ExpertsError):
 @dataclasses.dataclass(frozen=True)
 class ResidentLookup:
     """Where a layer's resident experts are: `rows[layer]`, int32 [E] on the compute device (the
-    slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot."""
+    slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot;
+    `complete`: the layers whose every expert was resident when the step opened (they stay so
+    until it finishes, so their experts need no look at the routing on the host)."""
 
     rows: dict[int, torch.Tensor]
     arena: torch.Tensor
     stride: int
+    complete: frozenset[int] = frozenset()
 
 
 class ResidentStepRevokedError(Unavailable):
@@ -81,7 +83,7 @@ class ExpertCapacityError(CapacityExhausted):
 
 
 def _role_entries(layout) -> tuple[RoleEntry, ...]:
-    """storaged.client RoleLayouts -> packtools RoleEntries (the fields the pack index records)."""
+    """storaged.client RoleLayouts -> packformat RoleEntries (the fields the pack index records)."""
     return tuple(RoleEntry(r.role, r.element_type, r.offset, r.nbytes, tuple(r.shape)) for r in layout.roles)
 
 
@@ -161,7 +163,7 @@ class StoragedExpertSource:
             models = client.info().models
             served = models.get(self.model_name)
             if served is None:
-                raise NotFound(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
+                raise NotFound(StatusCode.NOT_FOUND, f"model {self.model_name!r} is not served by "
                                f"{self.socket_path} (served: {', '.join(sorted(models))}); name the "
                                "daemon's model with --storaged-model", rpc="Info")
             session = client.attach(self.model_name)
@@ -203,7 +205,7 @@ class StoragedExpertSource:
         if session is not None:
             try:
                 session.close()
-            except (StorageError, ClientClosed, grpc.RpcError):
+            except (StorageError, ClientClosed):
                 pass  # the daemon is gone or forgot the session: nothing left to free there
         if client is not None:
             client.close()
@@ -300,7 +302,7 @@ class StoragedExpertSource:
     def _acquired_slots(self, layer: int, experts: list[int]) -> tuple[Session, list[int]]:
         session = self._session
         if session is None:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
+            raise Unavailable(StatusCode.UNAVAILABLE, f"no session with {self.socket_path} "
                               "(the last reconnect failed)", rpc="Acquire")
         self._sync_device()  # this Acquire frees every other layer's slots: no queued work may read them
         stream = torch.cuda.current_stream(session.arena.device) if session.arena.device.type == "cuda" else None
@@ -377,7 +379,11 @@ class StoragedExpertSource:
             return None
         fence.begin()
         self._resident_fence = fence
-        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride)
+        # read after begin(): a slot seen here is not reused before the step finishes
+        resident = (slot_map >= 0).all(dim=1).tolist()  # [rows] one host sync per step
+        complete = frozenset(layer for layer, row in rows.items() if resident[row])
+        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride,
+                                        complete)
         return self._resident
 
     def finish_resident_step(self) -> None:

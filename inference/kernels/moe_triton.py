@@ -131,17 +131,19 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     """out[s, n] = sum_k W[n, k] x[row(s), k] for up to BLOCK_M expert-sorted pairs s of one expert.
 
     Block b of blocks_ptr (int32 [B, 3]: slot, first sorted position, pairs) names the expert's
-    arena slot and its pairs s = first .. first + pairs - 1; order_ptr[s] (int64) is pair s's
-    index p = token * TOP_K + j. With GATHER_TOKENS x row(s) is p's token (the up projection
-    reading hidden states), else s itself (down, reading the activation in sorted order). The
-    weight tile of each step is dequantized once for all of the block's pairs (tensor-core dot);
-    rows of W lie as in moe_gemv_kernel (off1/off2/n_split). SPLIT: each step dequantized in
-    PARTS parts (quant_tile.PARTS[QT]) rather than whole.
+    arena slot and its pairs s = first .. first + pairs - 1 (a block of 0 pairs does nothing);
+    order_ptr[s] (int64) is pair s's index p = token * TOP_K + j. With GATHER_TOKENS x row(s) is
+    p's token (the up projection reading hidden states), else s itself (down, reading the
+    activation in sorted order). The weight tile of each step is dequantized once for all of the
+    block's pairs (tensor-core dot); rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
+    SPLIT: each step dequantized in PARTS parts (quant_tile.PARTS[QT]) rather than whole.
     """
     b = tl.program_id(0)
+    count = tl.load(blocks_ptr + 3 * b + 2)
+    if count == 0:  # a row past the real blocks of a table built on the device (ops.device_gemm_blocks)
+        return
     slot = tl.load(blocks_ptr + 3 * b).to(tl.int64)
     first = tl.load(blocks_ptr + 3 * b + 1)
-    count = tl.load(blocks_ptr + 3 * b + 2)
     m = tl.arange(0, BLOCK_M)
     mmask = m < count  # [BM]
     s = (first + m).to(tl.int64)  # [BM] sorted positions

@@ -19,8 +19,8 @@ from types import ModuleType
 
 import torch
 
-from packtools.pack import RoleEntry
-from packtools.pack.constants import ElementType, block_shape
+from packformat import RoleEntry
+from packformat.constants import ElementType, block_shape
 
 # element type -> (kernel type code, blocks per step, rank of its product tile); a float "block"
 # is one element
@@ -196,6 +196,33 @@ def gemm_blocks(rows: Sequence[int], counts: Sequence[int], block_m: int | None 
             table.append((row, first + start, min(block_m, count - start)))
         first += count
     return GemmBlocks(torch.tensor(table, dtype=torch.int32).reshape(-1, 3), block_m)
+
+
+def device_gemm_blocks(sorted_experts: torch.Tensor, slot_map: torch.Tensor, block_m: int | None = None
+                       ) -> GemmBlocks:
+    """`gemm_blocks` computed on the device, with no host synchronization: the experts of the
+    expert-sorted pairs (`sorted_experts`, int64 [S], ascending) at slot_map[expert] (int32 [E]).
+
+    The number of blocks depends on the routing, which the host does not see, so the table has
+    as many rows as any routing of S pairs over E experts can need (S // block_m + min(S, E)); the
+    rows past the real blocks hold 0 pairs, and their programs return at once. An absent expert
+    (slot -1) gets slot 0, never a fault: the caller counts such pairs and discards the result.
+    """
+    block_m = block_m or GEMM_BLOCK_M
+    pairs, experts = sorted_experts.shape[0], slot_map.shape[0]
+    device = sorted_experts.device
+    ids = torch.arange(experts, device=device)  # [E]
+    starts = torch.searchsorted(sorted_experts, ids)  # [E] first sorted position of each expert
+    counts = torch.searchsorted(sorted_experts, ids, right=True) - starts  # [E] pairs of each expert
+    nblocks = (counts + block_m - 1) // block_m  # [E]
+    ends = nblocks.cumsum(0)  # [E] one past each expert's last block
+    b = torch.arange(pairs // block_m + min(pairs, experts), device=device)  # [B] every block that can exist
+    expert = torch.searchsorted(ends, b, right=True).clamp_(max=experts - 1)  # [B] the expert of block b
+    local = b - (ends[expert] - nblocks[expert])  # [B] block b's index among its expert's blocks
+    count = (counts[expert] - local * block_m).clamp_(0, block_m)  # [B] 0 past the last real block
+    slot = slot_map[expert].to(torch.int64).clamp_(min=0)  # [B] an absent expert (-1) reads slot 0: garbage
+    table = torch.stack([slot, starts[expert] + local * block_m, count], dim=1)
+    return GemmBlocks(table.to(torch.int32), block_m)  # [B, 3]
 
 
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
+import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from inference.experts import (ExpertSource, attach_lookahead, bind_experts, resolve_compute,
                                routed_parameter_names, select_expertpack)
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
+from packformat.bundle import DENSE, Bundle, open_bundle
 from packtools.arch.routing import check_routing
-from packtools.bundle import DENSE, Bundle, open_bundle
 
 # A source, or something that makes one from the open bundle and the device (LocalPackSource is one).
 ExpertSourceFactory = Callable[[Bundle, torch.device], ExpertSource]

@@ -84,11 +84,15 @@ FIELDS: tuple[Field, ...] = (
              lambda v: v in (None, "auto", "default"), {CHAT}),
     _refused("store", "only false: nothing is stored", endpoints={CHAT}),
     _refused("modalities", "only `[\"text\"]`", lambda v: v is None or v == ["text"], {CHAT}),
-    _refused("response_format", "only `{\"type\": \"text\"}`; JSON modes are not supported yet (completions: "
-             "vLLM's extension)", lambda v: v is None or v == {"type": "text"}),
-    _refused("tools", "tool calling is not supported yet (an empty list is accepted)", endpoints={CHAT}),
-    _refused("tool_choice", "only `none` (there are no tools)", lambda v: v in (None, "none"), {CHAT}),
-    _refused("parallel_tool_calls", "only with tools", _null, {CHAT}),
+    _honoured("response_format", "`text`, `json_object`, `json_schema` (any `strict`): grammar-constrained decoding "
+              "(llguidance); a schema it cannot honour is a 400 naming `response_format.json_schema.schema` "
+              "(completions: vLLM's extension)"),
+    _honoured("tools", "functions rendered through the model's chat template (400 if it renders none); calls read "
+              "back in the model's format (Qwen3 `<tool_call>`, DeepSeek V3/V3.1/DSML, Kimi K2) as `tool_calls`, streamed "
+              "as `tool_calls` deltas, finish_reason `tool_calls`", {CHAT}),
+    _honoured("tool_choice", "`none` (tools rendered, plain content), `auto` (default with tools), `required` or a "
+              "named function (forced by grammar-constrained decoding); 400 without tools unless `none`", {CHAT}),
+    _honoured("parallel_tool_calls", "false: one call at most (`auto` keeps the first); only with tools", {CHAT}),
     _refused("functions", "deprecated tool calling; not supported", endpoints={CHAT}),
     _refused("function_call", "deprecated tool calling; not supported", lambda v: v in (None, "none"), {CHAT}),
     _refused("audio", "audio output is not supported", endpoints={CHAT}),
@@ -127,7 +131,7 @@ FIELDS: tuple[Field, ...] = (
     _refused("allowed_token_ids", "not supported"),
     _refused("bad_words", "not supported"),
     _refused("truncate_prompt_tokens", "not supported", _null),
-    _refused("guided_json", "structured output is not supported yet", _null),
+    _refused("guided_json", "use `response_format` with `json_schema`", _null),
     _refused("guided_regex", "structured output is not supported yet", _null),
     _refused("guided_choice", "structured output is not supported yet", _null),
     _refused("guided_grammar", "structured output is not supported yet", _null),

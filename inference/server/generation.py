@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 
@@ -30,6 +31,7 @@ from inference.server.middleware import RESPONSE_ID, TAGS, USAGE
 from inference.server.protocol import ParsedRequest, parse_request
 from inference.server.responses import SSE_DONE, CompletionShape, sse
 from inference.server.state import STATE, ServerState
+from inference.server.tools import ToolPlan, plan_tools
 from servicekit.echo import shown
 
 log = logging.getLogger("inference.server")
@@ -87,7 +89,8 @@ def _encode_prompts(engine, parsed: ParsedRequest) -> list[list[int]]:
         return [encode_chat(tokenizer, parsed.messages, template_kwargs=parsed.template_kwargs,
                             add_generation_prompt=parsed.add_generation_prompt,
                             continue_final_message=parsed.continue_final_message,
-                            add_special_tokens=parsed.add_special_tokens)]
+                            add_special_tokens=parsed.add_special_tokens,
+                            tools=list(parsed.tools.tools) if parsed.tools is not None else None)]
     return [encode_completion_prompt(tokenizer, p if isinstance(p, str) else list(p),
                                      add_special_tokens=parsed.add_special_tokens) for p in parsed.prompts]
 
@@ -107,10 +110,13 @@ def _max_tokens(state: ServerState, engine, parsed: ParsedRequest, prompt_ids: l
     return min(limits)
 
 
-def _choices(state: ServerState, engine, parsed: ParsedRequest, prompts: list[list[int]]) -> list[Choice]:
+def _choices(state: ServerState, engine, parsed: ParsedRequest, prompts: list[list[int]],
+             tools: ToolPlan | None = None) -> list[Choice]:
     choices = []
     for prompt_ids in prompts:
         params = parsed.sampling_params(_max_tokens(state, engine, parsed, prompt_ids), state.generation_defaults)
+        if tools is not None and tools.grammar is not None:
+            params = dataclasses.replace(params, grammar=tools.grammar)
         engine.runner.check_request(prompt_ids, params, prompt_param=parsed.prompt_param)
         choices += [Choice(prompt_ids, params.for_choice(i)) for i in range(parsed.n)]
     return choices
@@ -123,9 +129,10 @@ async def generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     request[TAGS] = dict(parsed.tags)
     check_model(state, parsed.model)
     engine = engine_of(state)
+    tools = plan_tools(engine.tokenizer, parsed.tools) if parsed.tools is not None else None
     prompts = await asyncio.to_thread(_encode_prompts, engine, parsed)  # long prompts take a while
-    choices = _choices(state, engine, parsed, prompts)
-    shape = CompletionShape(chat=chat, model=state.model_name, include_usage=parsed.include_usage,
+    choices = _choices(state, engine, parsed, prompts, tools)
+    shape = CompletionShape(chat=chat, model=state.model_name, include_usage=parsed.include_usage, tools=tools,
                             continuous_usage=parsed.continuous_usage, request_id=parsed.request_id,
                             prompt_tokens=sum(map(len, prompts)), choices=len(choices), logprobs=parsed.logprobs,
                             token_texts=state.token_texts() if parsed.logprobs is not None else None)
@@ -161,10 +168,13 @@ async def _stream_response(request: web.Request, shape: CompletionShape, events)
                     _check_not_cancelled(event)
                     completion_tokens[event.index] = event.usage.completion_tokens
                     request[USAGE] = shape.usage(sum(completion_tokens.values()))
-                    await response.write(sse(shape.finish_chunk(event)))
+                    for chunk in shape.finish_chunks(event):
+                        await response.write(sse(chunk))
                 elif isinstance(event, TextDelta):
                     completion_tokens[event.index] = event.completion_tokens
-                    await response.write(sse(shape.text_chunk(event)))
+                    chunk = shape.text_chunk(event)
+                    if chunk is not None:
+                        await response.write(sse(chunk))
             usage = shape.usage_chunk()
             if usage is not None:
                 await response.write(sse(usage))

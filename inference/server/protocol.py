@@ -14,6 +14,8 @@ from inference.engine import InvalidRequestError, SamplingParams
 from inference.engine.params import MAX_LOGPROBS
 from inference.server.fields import REFUSED, fields_for
 from inference.server.messages import parse_messages
+from inference.server.structured import response_format_grammar
+from inference.server.tools import ToolRequest, parse_tools
 from servicekit.echo import shown
 
 MAX_CHOICES = 128  # prompts x n in one request; OpenAI's n is at most 128 too
@@ -46,6 +48,7 @@ class ParsedRequest:
     logprobs: int | None  # the engine's: None, or how many top tokens per position
     tags: Mapping[str, object]  # user, safety_identifier...: for the access log
     request_id: str | None
+    tools: ToolRequest | None = None  # chat: the request's tools and tool_choice
 
     @property
     def prompt_param(self) -> str:
@@ -230,7 +233,20 @@ def parse_request(body, *, chat: bool, unknown: Callable[[list[str]], None] = la
     request_id = _field(body, "request_id", lambda v: isinstance(v, str) and v.isprintable() and 0 < len(v) <= 128,
                         "a printable string of at most 128 characters")
     tags = {name: body[name] for name in TAG_FIELDS if body.get(name) is not None}
+    sampling = _sampling(body)
+    grammar = response_format_grammar(body)
+    if grammar is not None:
+        sampling["grammar"] = grammar
+    tools = parse_tools(body) if chat else None
+    if tools is not None and tools.parses:
+        if grammar is not None and tools.choice in ("required", "function"):
+            raise InvalidRequestError("'tool_choice' cannot force a tool call together with a JSON "
+                                      "'response_format'", param="tool_choice")
+        if sampling.get("skip_special_tokens"):  # the formats' markers may be special tokens
+            raise InvalidRequestError("'skip_special_tokens' must be false when tool calls are read back "
+                                      "(tool_choice other than 'none')", param="skip_special_tokens")
+        sampling["skip_special_tokens"] = False
     return ParsedRequest(chat, model, prompts, messages, _template_kwargs(body) if chat else {},
                          add_generation_prompt, continue_final, add_special, n, max_tokens, max_tokens_param,
-                         _sampling(body), stream, include_usage, continuous_usage, _logprobs(body, chat), tags,
-                         request_id)
+                         sampling, stream, include_usage, continuous_usage, _logprobs(body, chat), tags,
+                         request_id, tools)

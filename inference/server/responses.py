@@ -8,6 +8,7 @@ import uuid
 
 from inference.engine import Finished, TextDelta, Usage
 from inference.server.token_text import TokenTexts
+from inference.server.tools import ToolPlan, ToolStream, split_reply, tool_call_dicts
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -35,13 +36,19 @@ def model_card(model_name: str, created: int, max_model_len: int | None = None) 
     return card
 
 
+def _tool_reason(finish_reason: str) -> str:
+    # a reply cut by max_tokens stays "length" even when its calls parsed
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class _ChoiceState:
     """What a stream has sent of one choice: logprob entries and (completions) the text offset."""
 
-    def __init__(self):
+    def __init__(self, tools: ToolPlan | None = None):
         self.logprobs_sent = 0
         self.text_offset = 0
         self.completion_tokens = 0
+        self.tool_stream = ToolStream(tools) if tools is not None else None
 
 
 class CompletionShape:
@@ -52,7 +59,7 @@ class CompletionShape:
 
     def __init__(self, *, chat: bool, model: str, include_usage: bool = False, continuous_usage: bool = False,
                  request_id: str | None = None, prompt_tokens: int = 0, choices: int = 1,
-                 logprobs: int | None = None, token_texts: TokenTexts | None = None):
+                 logprobs: int | None = None, token_texts: TokenTexts | None = None, tools: ToolPlan | None = None):
         self.chat = chat
         self.id = new_completion_id(chat, request_id)
         self.model = model
@@ -62,7 +69,8 @@ class CompletionShape:
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
         self.token_texts = token_texts
-        self._choices = [_ChoiceState() for _ in range(choices)]
+        self.tools = tools  # chat: tool calls are read back from the text in this plan's format
+        self._choices = [_ChoiceState(tools) for _ in range(choices)]
 
     @property
     def object(self) -> str:
@@ -107,8 +115,13 @@ class CompletionShape:
         for f in sorted(finished, key=lambda f: f.index):
             logprobs = self._logprobs(f.logprobs or ())
             if self.chat:
-                choices.append({"index": f.index, "message": {"role": "assistant", "content": f.text},
-                                "logprobs": logprobs, "finish_reason": f.finish_reason})
+                message, reason = {"role": "assistant", "content": f.text}, f.finish_reason
+                if self.tools is not None:
+                    content, calls = split_reply(self.tools, f.text)
+                    if calls:
+                        message, reason = {"role": "assistant", "content": content,
+                                           "tool_calls": tool_call_dicts(calls)}, _tool_reason(f.finish_reason)
+                choices.append({"index": f.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": f.index, "text": f.text, "logprobs": logprobs,
                                 "finish_reason": f.finish_reason})
@@ -132,27 +145,41 @@ class CompletionShape:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for i in range(len(self._choices))]
 
-    def text_chunk(self, delta: TextDelta) -> dict:
+    def text_chunk(self, delta: TextDelta) -> dict | None:
+        """The chunk of a delta; None when there is nothing to send yet (text held back as a possible tool call)."""
         state = self._choices[delta.index]
         state.completion_tokens = delta.completion_tokens
+        text = delta.text if state.tool_stream is None else state.tool_stream.feed(delta.text)
+        if not text and not delta.logprobs:
+            return None
         logprobs = self._logprobs(delta.logprobs, state)
         state.logprobs_sent += len(delta.logprobs)
         if self.chat:
-            return self._chunk({"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+            return self._chunk({"index": delta.index, "delta": {"content": text}, "logprobs": logprobs,
                                 "finish_reason": None})
         return self._chunk({"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": None})
 
-    def finish_chunk(self, finished: Finished) -> dict:
-        """A choice's last chunk: its finish_reason, with the logprobs of tokens no delta carried (EOS...)."""
+    def finish_chunks(self, finished: Finished) -> list[dict]:
+        """A choice's last chunks: content held back and tool calls (one chunk each, whole), then its
+        finish_reason with the logprobs of tokens no delta carried (EOS...)."""
         state = self._choices[finished.index]
         state.completion_tokens = finished.usage.completion_tokens
+        chunks, reason = [], finished.finish_reason
+        if state.tool_stream is not None:
+            content, calls = state.tool_stream.finish()
+            if content:
+                chunks.append(self._chunk({"index": finished.index, "delta": {"content": content}, "logprobs": None,
+                                           "finish_reason": None}))
+            for i, call in enumerate(tool_call_dicts(calls)):
+                chunks.append(self._chunk({"index": finished.index, "delta": {"tool_calls": [{"index": i, **call}]},
+                                           "logprobs": None, "finish_reason": None}))
+            reason = _tool_reason(reason) if calls else reason
         logprobs = self._logprobs((finished.logprobs or ())[state.logprobs_sent:], state)
         if self.chat:
-            final = {"index": finished.index, "delta": {}, "logprobs": logprobs,
-                     "finish_reason": finished.finish_reason}
+            final = {"index": finished.index, "delta": {}, "logprobs": logprobs, "finish_reason": reason}
         else:
-            final = {"index": finished.index, "text": "", "logprobs": logprobs, "finish_reason": finished.finish_reason}
-        return self._chunk(final)
+            final = {"index": finished.index, "text": "", "logprobs": logprobs, "finish_reason": reason}
+        return chunks + [self._chunk(final)]
 
     def usage_chunk(self) -> dict | None:
         """With include_usage: a last chunk with no choices and the whole request's usage."""

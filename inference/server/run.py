@@ -18,7 +18,7 @@ import threading
 from aiohttp import web
 
 from inference import logs
-from inference.config import ServeConfig, load_from_args
+from inference.config import ServeConfig, load_from_config
 from inference.engine import Engine, EngineMetrics
 from inference.engine.generation_defaults import GenerationConfigError, read_generation_defaults
 from inference.server.app import create_app
@@ -38,7 +38,7 @@ def _load_in_background(config: ServeConfig, metrics: EngineMetrics) -> concurre
 
     def load() -> None:
         try:
-            engine = Engine.from_loaded(load_from_args(config.model), metrics=metrics,
+            engine = Engine.from_loaded(load_from_config(config.model), metrics=metrics,
                                         max_model_len=config.max_model_len, max_queue=config.max_queue or None,
                                         request_timeout=config.request_timeout or None,
                                         stall_timeout=config.stall_timeout or None,

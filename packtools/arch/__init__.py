@@ -3,7 +3,7 @@
 from packtools.arch.record import Architecture
 from packtools.arch.registry import (
     ARCHITECTURES,
-    UnknownArchitecture,
+    UnknownArchitectureError,
     config_from_dict,
     get_arch,
     get_architecture,
@@ -17,7 +17,7 @@ __all__ = [
     "Architecture",
     "ExpertKey",
     "FusedPart",
-    "UnknownArchitecture",
+    "UnknownArchitectureError",
     "config_from_dict",
     "get_arch",
     "get_architecture",

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-
-class UnknownArchitecture(ValueError):
-    """A model_type packtools has no ArchSpec for."""
-
-    def __init__(self, model_type: object, known: Iterable[str]):
-        self.model_type = model_type
-        super().__init__(f"unknown architecture {model_type!r}; known architectures: {', '.join(sorted(known))}")
+# One class for an architecture packtools has no model for, whether a config.json or a GGUF names
+# it; it lives in packtools.errors since packtools.gguf raises it too and packtools.arch imports
+# packtools.gguf (the records' GGUF mappings).
+from packtools.errors import UnknownArchitectureError  # noqa: F401  (raised by the registry)
 
 
 class HFCheckpointError(ValueError):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
+from packformat.constants import SCALE_ROLE_OF, SCALED_WEIGHT_TYPES, ElementType, Role, tensor_nbytes
+from packformat.scales import scale_group_size
 from packtools.arch.errors import InconsistentExperts, MissingExpert, UnexpectedTensor, UnsupportedDtype
 from packtools.arch.spec import ArchSpec, ExpertKey
-from packtools.pack.constants import SCALE_ROLE_OF, SCALED_WEIGHT_TYPES, ElementType, Role, tensor_nbytes
-from packtools.pack.scales import scale_group_size
 from packtools.safetensors_stream import TensorEntry
 from packtools.sources.base import ExpertLayout
 

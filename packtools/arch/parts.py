@@ -8,7 +8,7 @@ from collections.abc import Callable
 from transformers import PretrainedConfig
 
 from packtools.arch.spec import ArchSpec, FusedPart
-from packtools.pack.constants import Role
+from packformat.constants import Role
 from packtools.sources.base import ExpertLayout
 
 

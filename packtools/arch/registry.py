@@ -13,9 +13,9 @@ import pkgutil
 
 from transformers import AutoConfig, PretrainedConfig
 
+import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 import packtools.arch.models as architecture_modules
-import packtools.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
-from packtools.arch.errors import UnknownArchitecture
+from packtools.arch.errors import UnknownArchitectureError
 from packtools.arch.record import Architecture
 from packtools.arch.spec import ArchSpec
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
@@ -45,7 +45,7 @@ def get_architecture(model_type: str) -> Architecture:
     try:
         return ARCHITECTURES[model_type]
     except KeyError:
-        raise UnknownArchitecture(model_type, ARCHITECTURES) from None
+        raise UnknownArchitectureError(None, model_type, known=ARCHITECTURES) from None
 
 
 def get_arch(model_type: str) -> ArchSpec:

@@ -1,13 +1,13 @@
 """A byte-level BPE tokenizer (tokenizer.ggml.model = "gpt2") rebuilt from GGUF metadata alone.
 
 Why not transformers' `from_pretrained(gguf_file=...)`: its result depends on the transformers
-version. 5.17 (the lent GPU machine's image) picks a converter from a per-architecture table
-(`general.architecture` olmoe, deepseek2, kimi-linear, gpt-oss, ... are "not supported yet"), its
-qwen2 converter drops `add_bos_token`, it has no pre-tokenizer split regexes, and it fails on split
-GGUFs; 5.24 builds the tokenizer from tokenizer.ggml.* alone. This module is 5.24's construction
-(transformers/integrations/gguf/gguf_tokenizer_mapping.py: get_gguf_tokenizer, byte_level_tokenizer,
-add_gguf_special_tokens, set_split_regex) on transformers' GPT2Tokenizer, whose code is the same in
-both versions, so the rebuilt tokenizer is the same under either.
+version. Some versions (5.17, for one) pick a converter from a per-architecture table
+(`general.architecture` olmoe, deepseek2, kimi-linear, gpt-oss, ... are "not supported yet"), drop
+`add_bos_token` in the qwen2 converter, have no pre-tokenizer split regexes, and fail on split
+GGUFs; later ones (5.24) build the tokenizer from tokenizer.ggml.* alone. This module is that
+construction (transformers/integrations/gguf/gguf_tokenizer_mapping.py: get_gguf_tokenizer,
+byte_level_tokenizer, add_gguf_special_tokens, set_split_regex) on transformers' GPT2Tokenizer,
+whose code is the same across those versions, so the tokenizer is the same whichever is installed.
 """
 
 from __future__ import annotations

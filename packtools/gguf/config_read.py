@@ -16,7 +16,7 @@ from packtools.gguf.errors import UnknownArchitectureError
 from packtools.gguf.gguf_arch import GGUFArch
 from packtools.gguf.metadata import Metadata, shortest_float
 
-__all__ = ["TensorFacts", "expert_hidden_width", "hf_config_kwargs"]
+__all__ = ["expert_hidden_width", "hf_config_kwargs"]
 
 LLM, ATTN, ROPE, TOK = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 LLAMA_CPP_DEFAULT_ROPE_THETA = 10000.0

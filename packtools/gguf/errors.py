@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# One class for an architecture packtools has no model for, whether a GGUF or a config.json names it.
+from packtools.errors import UnknownArchitectureError  # noqa: F401  (raised by the GGUF readers)
+
 
 class GGUFError(Exception):
     """Base of every error about reading or writing a GGUF checkpoint."""
@@ -42,15 +45,6 @@ class MissingShardError(GGUFError):
     def __init__(self, path: object, message: str = "missing shard of a split GGUF set"):
         super().__init__(f"{path}: {message}")
         self.path = str(path)
-
-
-class UnknownArchitectureError(GGUFError):
-    """general.architecture is not one packtools maps to a transformers model."""
-
-    def __init__(self, path: object, architecture: object, reason: str = ""):
-        detail = f" ({reason})" if reason else ""
-        super().__init__(f"{path}: unsupported GGUF architecture {architecture!r}{detail}")
-        self.architecture = architecture
 
 
 class UnsupportedTensorTypeError(GGUFError):

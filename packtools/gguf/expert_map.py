@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import gguf
 import torch
 
+from packformat.constants import Role
 from packtools.arch import get_arch
-from packtools.pack.constants import Role
 
 MODEL_TENSOR = gguf.MODEL_TENSOR
 

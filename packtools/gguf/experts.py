@@ -12,10 +12,10 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from packformat.constants import SUPPORTED_TYPES, ElementType, Role
 from packtools.gguf.errors import ExpertLayoutError, GGUFTruncatedError, UnsupportedTensorTypeError
 from packtools.gguf.expert_map import BIAS_ROLES, EXPERT_TENSORS, ROLE_ORDER, expert_tensor_name, role_shapes
 from packtools.gguf.files import TensorLocation
-from packtools.pack.constants import SUPPORTED_TYPES, ElementType, Role
 from packtools.sources.base import RoleSlice
 
 _SEPARATE = frozenset({Role.GATE, Role.UP, Role.DOWN})

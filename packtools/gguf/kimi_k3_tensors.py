@@ -3,7 +3,8 @@ converter's transforms and their inverses.
 
 Names are the kimi_k3 model's state_dict keys, which are the official checkpoint's with the
 `language_model.` prefix dropped, except `block_sparse_moe.` -> `mlp.` in MoE layers (both spellings
-are accepted; /var/tmp/kimi-model/NAMES.md, packtools.models.kimi_k3); GGUF names are
+are accepted, since checkpoints and the model's state_dict spell them differently;
+inference.models.kimi_k3); GGUF names are
 llama.cpp's (vendored gguf-py TENSOR_NAMES / src/llama-arch.cpp), spelled here because gguf-py
 0.19 has no KIMI_K3. Transforms the converter applies, undone on reading:
 

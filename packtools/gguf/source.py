@@ -18,7 +18,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from packtools.arch import get_arch
 from packtools.gguf.archs import arch_for_gguf
-from packtools.gguf.config_read import TensorFacts, expert_hidden_width, hf_config_kwargs
+from packtools.gguf.config_parts import TensorFacts
+from packtools.gguf.config_read import expert_hidden_width, hf_config_kwargs
 from packtools.gguf.dense import meta_model_state, plan_dense
 from packtools.gguf.errors import ExpertLayoutError, TensorMappingError
 from packtools.gguf.experts import find_expert_tensors, role_slice, validate_experts
@@ -87,7 +88,7 @@ class GGUFSource:
         )
         kwargs = hf_config_kwargs(self.meta, self.arch, facts)
         config = AutoConfig.for_model(self.arch.model_type, **kwargs)
-        # model types registered at run time (packtools.models) are only in the Auto class's mapping
+        # model types registered at run time (inference.models) are only in the Auto class's mapping
         registered = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(self.arch.model_type)
         config.architectures = [registered or AutoModelForCausalLM._model_mapping[type(config)].__name__]
         return config

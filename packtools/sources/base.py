@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from packtools.pack.constants import Role
+from packformat.constants import Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +21,7 @@ class RoleSlice:
     """One role of one expert as it lies in the source, read lazily."""
 
     role: Role
-    element_type: int  # packtools.pack.constants.ElementType id (GGML ids and the pack's own)
+    element_type: int  # packformat.constants.ElementType id (GGML ids and the pack's own)
     shape: tuple[int, ...]  # logical element shape, last dim contiguous (e.g. [I, H])
     nbytes: int
     read: Callable[[], memoryview | bytes]  # exactly nbytes of source bytes, verbatim

@@ -77,7 +77,7 @@ def _synth_official(args, out: Path) -> Path:
 def run_synth(args) -> Path:
     from packtools.arch import get_arch
 
-    get_arch(args.arch)  # UnknownArchitecture names the known ones
+    get_arch(args.arch)  # UnknownArchitectureError names the known ones
     out = Path(args.output)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; synth never overwrites")

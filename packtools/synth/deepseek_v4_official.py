@@ -30,7 +30,8 @@ from transformers.core_model_loading import revert_weight_conversion
 from packtools.arch import config_from_dict, get_arch, tiny_config
 from packtools.arch.hf_names import RuntimeNames
 from packtools.sources.dsv4_formats import quantize_fp4_groups, quantize_fp8_blocks
-from packtools.synth.hf import SynthResult, randomize_routing_state
+from packtools.synth.hf import SynthResult
+from packtools.synth.seeding import randomize_routing_state
 from packtools.tokenizer_synth import write_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"

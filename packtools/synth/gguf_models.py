@@ -16,12 +16,12 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from packformat.constants import ElementType, Role, tensor_nbytes
 from packtools.arch import get_arch, get_architecture, tiny_config
 from packtools.gguf.expert_map import BIAS_ROLES, role_shapes, written_roles
-from packtools.pack.constants import ElementType, Role, tensor_nbytes
 from packtools.quants import random_blocks
 from packtools.synth.gguf_writer import ExpertValues
-from packtools.synth.hf import seeded_generator
+from packtools.synth.seeding import seeded_generator
 
 _NEAR_ONE = ("norm.weight", "layernorm.weight")
 _STD = 0.1  # dense and float expert values

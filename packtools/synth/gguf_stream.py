@@ -16,8 +16,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from packformat.constants import ElementType, tensor_nbytes
 from packtools.gguf.errors import GGUFError
-from packtools.pack.constants import ElementType, tensor_nbytes
 
 
 class GGUFWriteError(GGUFError):

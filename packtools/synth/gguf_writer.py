@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from packformat.constants import ElementType, Role, block_shape
 from packtools.arch import get_arch
 from packtools.gguf.config_write import write_config_kv
 from packtools.gguf.errors import ExpertQuantizationError
 from packtools.gguf.expert_map import BIAS_ROLES, expert_tensor_name, hf_expert_roles, role_shapes, written_roles
 from packtools.gguf.tensor_map import TensorMapper
 from packtools.gguf.tokenizer import GPT2_PRE, write_vocab_kv
-from packtools.pack.constants import ElementType, Role, block_shape
 from packtools.quants import quantize
 from packtools.synth.gguf_stream import TensorPlan, write_gguf
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
+from inference.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.arch import get_arch, tiny_config
 from packtools.arch.spec import ArchSpec
-from packtools.models import OFFICIAL_CONFIG_LAYOUTS
+from packtools.synth.hf_stream import write_streamed
+from packtools.synth.seeding import randomize_routing_state
 from packtools.tokenizer_synth import write_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,40 +57,6 @@ def expert_bytes(spec: ArchSpec, config: PretrainedConfig, dtype: torch.dtype) -
     per_expert = sum(math.prod(shape) for shape in spec.role_shapes(config).values())
     element_size = torch.empty((), dtype=dtype).element_size()
     return len(spec.moe_layers(config)) * spec.num_experts(config) * per_expert * element_size
-
-
-def seeded_generator(seed: int, *parts: int) -> torch.Generator:
-    """A CPU generator for one named piece of the model, independent of generation order."""
-    mixed = seed & 0xFFFFFFFF
-    for part in parts:
-        mixed = (mixed * 1_000_003 + part + 1) % (2**63 - 1)  # simple, stable mixing; not cryptographic
-    return torch.Generator().manual_seed(mixed)
-
-
-def randomize_routing_state(model: torch.nn.Module, spec: ArchSpec, config: PretrainedConfig, seed: int) -> None:
-    """Give the routing tensors transformers initializes to zeros real values.
-
-    deepseek_v4's hash layers route token t to experts tid2eid[t] (zeros by default: every token
-    would hit expert 0 k times); correction biases and gpt_oss expert biases are zeros too,
-    which would leave their bytes untested. Only materialized tensors are touched.
-    """
-    std = float(getattr(config, "initializer_range", 0.02))
-    num_experts, top_k = spec.num_experts(config), spec.top_k(config)
-    with torch.no_grad():
-        for index, (name, tensor) in enumerate(model.state_dict(keep_vars=True).items()):
-            if tensor.is_meta:
-                continue
-            generator = seeded_generator(seed, 0x5EED, index)
-            if name.endswith(".tid2eid"):
-                vocab = tensor.shape[0]
-                # k distinct experts per token: the first k of a random permutation
-                scores = torch.rand(vocab, num_experts, generator=generator)  # [vocab, E]
-                tensor.copy_(scores.argsort(dim=1)[:, :top_k].to(tensor.dtype))
-            elif name.endswith(".e_score_correction_bias") or (
-                spec.is_routed_runtime_key(name) and name.endswith("_bias")
-            ):
-                values = torch.randn(tensor.shape, generator=generator) * std
-                tensor.copy_(values.to(tensor.dtype))
 
 
 def synth_hf(
@@ -126,8 +94,6 @@ def synth_hf(
     out_dir.mkdir(parents=True, exist_ok=True)
     total_expert_bytes = expert_bytes(spec, config, torch_dtype)
     if total_expert_bytes > stream_threshold_bytes:
-        from packtools.synth.hf_stream import write_streamed
-
         write_streamed(spec, config, out_dir, seed=seed, dtype=torch_dtype, max_shard_bytes=max_shard_bytes)
         mode = "streamed"
     else:

@@ -24,7 +24,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from packtools.arch.spec import ArchSpec
 from packtools.safetensors_stream import StreamingSafetensorsWriter, dtype_name
-from packtools.synth.hf import randomize_routing_state, seeded_generator
+from packtools.synth.seeding import randomize_routing_state, seeded_generator
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -8,7 +8,8 @@
   release_other_layers=False) -> (slots, ready_events)`, `release(layer=None)`, `prefetch(layer, experts)`,
   `slot_bytes(slot, nbytes=None) -> uint8 tensor`, `object_layout(layer, expert) -> ObjectLayout`,
   `layers`, `slot_size`, `slot_count`, `arena`, `close()`.
-- Errors: `StorageError` (base, `.code`, `.details`), `NotFound`, `InvalidRequest`,
+- Errors: `StorageError` (base, `.code` a `StatusCode`, plain Python with gRPC's names and
+  numbers; `.details`), `NotFound`, `InvalidRequest`,
   `CapacityExhausted`, `DataLoss`, `SessionBusy`, `Unavailable`; `ClientClosed`.
 """
 
@@ -17,9 +18,10 @@ from storaged.client.errors import (CapacityExhausted, ClientClosed, DataLoss, I
                                     SessionBusy, StorageError, Unavailable)
 from storaged.client.layout import LayerLayout, ObjectLayout, RoleLayout
 from storaged.client.replies import ModelInfo, ServerInfo, Stats, TierStats
+from storaged.wire.status import StatusCode
 
 __all__ = [
     "CapacityExhausted", "ClientClosed", "DataLoss", "InvalidRequest", "LayerLayout", "ModelInfo",
-    "NotFound", "ObjectLayout", "RoleLayout", "ServerInfo", "Session", "SessionBusy", "Stats",
+    "NotFound", "ObjectLayout", "RoleLayout", "ServerInfo", "Session", "SessionBusy", "Stats", "StatusCode",
     "StorageClient", "StorageError", "TierStats", "Unavailable",
 ]

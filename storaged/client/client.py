@@ -36,6 +36,7 @@ from storaged.device.client_arena import ClientArena, map_arena
 from storaged.device.descriptor import KIND_MEMFD
 from storaged.wire import dataplane as wire
 from storaged.wire.session import SESSION_METADATA_KEY
+from storaged.wire.status import StatusCode
 
 _END = object()  # ends a stream's request iterator
 
@@ -53,7 +54,7 @@ class _AcquireStream:
         try:
             return next(self._replies)
         except StopIteration:
-            raise StorageError(grpc.StatusCode.UNKNOWN, "the server ended the Acquire stream without "
+            raise StorageError(StatusCode.UNKNOWN, "the server ended the Acquire stream without "
                                "a status", rpc="Acquire") from None
 
     def close(self) -> None:
@@ -111,7 +112,7 @@ class Session:
         if descriptor.kind != KIND_MEMFD:
             return map_arena(descriptor)
         if not offered:
-            raise StorageError(grpc.StatusCode.FAILED_PRECONDITION, "the arena is a memfd handed out on the data "
+            raise StorageError(StatusCode.FAILED_PRECONDITION, "the arena is a memfd handed out on the data "
                                f"plane, which this daemon does not offer at version {wire.VERSION}", rpc="Attach")
         fd = receive_arena_fd(reply.data_plane.socket_path, self.id, timeout=self._client.timeout)
         try:
@@ -297,7 +298,7 @@ class StorageClient:
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             time.sleep(0.05)
-        raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"{self.socket_path} not SERVING after {timeout}s "
+        raise Unavailable(StatusCode.UNAVAILABLE, f"{self.socket_path} not SERVING after {timeout}s "
                           f"(last: {last})", rpc="Health.Check")
 
     def close(self) -> None:

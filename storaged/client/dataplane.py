@@ -21,11 +21,10 @@ import socket
 import struct
 from collections.abc import Sequence
 
-import grpc
-
 from storaged.client.errors import ClientClosed, InvalidRequest, StorageError, Unavailable, from_status
 from storaged.wire import dataplane as wire
 from storaged.wire.dataplane import Kind
+from storaged.wire.status import StatusCode
 
 
 class FenceRevoked(StorageError):
@@ -52,7 +51,7 @@ class StepFence:
         if self.open:
             raise RuntimeError("begin() of a step fence whose previous step did not end")
         if self.revoked:
-            raise FenceRevoked(grpc.StatusCode.FAILED_PRECONDITION, "the daemon revoked this session's step "
+            raise FenceRevoked(StatusCode.FAILED_PRECONDITION, "the daemon revoked this session's step "
                                "fence (a step stayed open longer than its fence timeout); reconnect", rpc="fence")
         self._step += 1
         self._words[wire.FENCE_STARTED // 8] = self._step
@@ -65,7 +64,7 @@ class StepFence:
         self._words[wire.FENCE_FINISHED // 8] = self._step
         self.open = False
         if self.revoked:
-            raise FenceRevoked(grpc.StatusCode.FAILED_PRECONDITION, f"step {self._step} outlived the daemon's "
+            raise FenceRevoked(StatusCode.FAILED_PRECONDITION, f"step {self._step} outlived the daemon's "
                                "fence timeout and may have read overwritten slots", rpc="fence")
 
     @contextlib.contextmanager
@@ -99,14 +98,14 @@ class DataPlaneClient:
             if kind == Kind.ERROR:
                 raise _error(body, "HELLO")
             if kind != Kind.HELLO_OK or not fds:
-                raise StorageError(grpc.StatusCode.INTERNAL, f"{path}: HELLO answered with frame kind {kind}"
+                raise StorageError(StatusCode.INTERNAL, f"{path}: HELLO answered with frame kind {kind}"
                                    f"{'' if fds else ' and no fence page'}", rpc="HELLO")
             self.fence = StepFence(fds[0])
             for fd in fds:
                 socket.close(fd)  # the mapping keeps the page
         except OSError as exc:
             self._sock.close()
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="HELLO") from None
+            raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="HELLO") from None
         except BaseException:
             self._sock.close()
             raise
@@ -123,7 +122,7 @@ class DataPlaneClient:
             raise _out_of_range("Acquire", layer, experts) from None
         reply = self._call(Kind.ACQUIRE, body, Kind.ACQUIRE_OK, "Acquire")
         if len(reply) != 8 * len(experts):
-            raise StorageError(grpc.StatusCode.INTERNAL, f"ACQUIRE_OK of {len(reply)} bytes for {len(experts)} "
+            raise StorageError(StatusCode.INTERNAL, f"ACQUIRE_OK of {len(reply)} bytes for {len(experts)} "
                                "experts", rpc="Acquire")
         pairs = struct.unpack(f"<{2 * len(experts)}i", reply)
         return [p & 0xFFFFFFFF for p in pairs[0::2]], list(pairs[1::2])
@@ -176,7 +175,7 @@ class DataPlaneClient:
         try:
             self._sock.sendall(wire.frame(kind, self._next_request, body))
         except OSError as exc:
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {self.path}: {exc}", rpc="send") from None
+            raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {self.path}: {exc}", rpc="send") from None
         return self._next_request
 
     def _call(self, kind: int, body: bytes, reply_kind: int, rpc: str) -> bytes:
@@ -189,12 +188,12 @@ class DataPlaneClient:
                     raise _error(reply, "Prefetch")
                 continue
             if got_id != request_id:
-                raise StorageError(grpc.StatusCode.INTERNAL, f"reply to request {got_id} while waiting for "
+                raise StorageError(StatusCode.INTERNAL, f"reply to request {got_id} while waiting for "
                                    f"{request_id}", rpc=rpc)
             if got_kind == Kind.ERROR:
                 raise _error(reply, rpc)
             if got_kind != reply_kind:
-                raise StorageError(grpc.StatusCode.INTERNAL, f"{rpc} answered with frame kind {got_kind}", rpc=rpc)
+                raise StorageError(StatusCode.INTERNAL, f"{rpc} answered with frame kind {got_kind}", rpc=rpc)
             return reply
 
     def _read_frame(self) -> tuple[int, int, bytes]:
@@ -207,9 +206,9 @@ class DataPlaneClient:
             try:
                 chunk = self._sock.recv(max(65536, n - len(self._buffer)))
             except OSError as exc:
-                raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {self.path}: {exc}", rpc="recv") from None
+                raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {self.path}: {exc}", rpc="recv") from None
             if not chunk:
-                raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {self.path}: the daemon closed the "
+                raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {self.path}: the daemon closed the "
                                   "connection", rpc="recv")
             self._buffer += chunk
         data = bytes(self._buffer[:n])
@@ -237,7 +236,7 @@ def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> in
         except OSError as exc:
             for fd in received:
                 os.close(fd)
-            raise Unavailable(grpc.StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="ARENA") from None
+            raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="ARENA") from None
     length, kind, _, _ = wire.HEADER.unpack_from(data)
     body = data[wire.HEADER.size:wire.HEADER.size + length]
     if kind == Kind.ARENA_OK and len(received) == 1:
@@ -246,16 +245,16 @@ def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> in
         os.close(fd)
     if kind == Kind.ERROR:
         raise _error(body, "ARENA")
-    raise StorageError(grpc.StatusCode.INTERNAL, f"{path}: ARENA answered with frame kind {kind} and "
+    raise StorageError(StatusCode.INTERNAL, f"{path}: ARENA answered with frame kind {kind} and "
                        f"{len(received)} descriptors", rpc="ARENA")
 def _out_of_range(rpc: str, layer: int, experts: Sequence[int]) -> StorageError:
     """The frames carry u32 ids: a request struct could not pack is refused as the daemon refuses
     it over gRPC (INVALID_ARGUMENT naming the value), not with a bare struct.error."""
     for what, value in (("layer", layer), *(("expert", e) for e in experts)):
         if not isinstance(value, numbers.Integral) or not 0 <= value <= wire.U32_MAX:
-            return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{what} {value!r} is out of range: layer "
+            return InvalidRequest(StatusCode.INVALID_ARGUMENT, f"{what} {value!r} is out of range: layer "
                                   "and expert ids are integers in [0, 2^32)", rpc=rpc)
-    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{len(experts)} expert ids cannot be framed", rpc=rpc)
+    return InvalidRequest(StatusCode.INVALID_ARGUMENT, f"{len(experts)} expert ids cannot be framed", rpc=rpc)
 
 
 def _error(body: bytes, rpc: str) -> StorageError:

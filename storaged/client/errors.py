@@ -1,14 +1,22 @@
-"""Typed client errors: one per gRPC status code storaged uses, carrying the server's message."""
+"""Typed client errors: one per status code storaged uses, carrying the server's message.
+
+`code` is storaged.wire.status.StatusCode, plain Python: the gRPC status of a failed call is
+converted here, at the client's edge, so callers never handle a grpc type.
+"""
 
 from __future__ import annotations
 
 import grpc
 
+from storaged.wire.status import StatusCode
+
 
 class StorageError(Exception):
-    """An RPC to storaged failed; `code` is the gRPC status, the message is the server's."""
+    """A request to storaged failed; `code` is its StatusCode, the message is the server's."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, rpc: str = ""):
+    def __init__(self, code: StatusCode, message: str, *, rpc: str = ""):
+        if not isinstance(code, StatusCode):
+            raise TypeError(f"{type(self).__name__} takes a storaged.wire.status.StatusCode, not {code!r}")
         where = f"{rpc}: " if rpc else ""
         super().__init__(f"{where}{code.name}: {message}")
         self.code = code
@@ -44,27 +52,24 @@ class ClientClosed(Exception):
     """The client or session was used after close()."""
 
 
-_BY_CODE: dict[grpc.StatusCode, type[StorageError]] = {
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExhausted,
-    grpc.StatusCode.DATA_LOSS: DataLoss,
-    grpc.StatusCode.FAILED_PRECONDITION: SessionBusy,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
+_BY_CODE: dict[StatusCode, type[StorageError]] = {
+    StatusCode.NOT_FOUND: NotFound,
+    StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    StatusCode.RESOURCE_EXHAUSTED: CapacityExhausted,
+    StatusCode.DATA_LOSS: DataLoss,
+    StatusCode.FAILED_PRECONDITION: SessionBusy,
+    StatusCode.UNAVAILABLE: Unavailable,
 }
 
 
 def from_rpc_error(error: grpc.RpcError, rpc: str) -> StorageError:
     """The typed exception for a failed call (grpc.RpcError raised by a stub)."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    code = StatusCode.of(error.code().value[0]) if hasattr(error, "code") else StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
     return _BY_CODE.get(code, StorageError)(code, details or "", rpc=rpc)
 
 
-_CODES_BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def from_status(code: int, message: str, rpc: str) -> StorageError:
     """The typed exception for a status the data plane returned (gRPC's numeric code)."""
-    status = _CODES_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    status = StatusCode.of(code)
     return _BY_CODE.get(status, StorageError)(status, message, rpc=rpc)

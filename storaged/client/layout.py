@@ -16,8 +16,8 @@ from storaged.device.errors import ArenaDescriptorError
 
 @dataclass(frozen=True)
 class RoleLayout:
-    role: int  # packtools Role id (1 gate, 2 up, 3 down, 4 gate_up, 5..8 biases, 9..12 block scales)
-    element_type: int  # packtools.pack.constants.ElementType id: GGML's (< 256) or the pack's own
+    role: int  # packformat Role id (1 gate, 2 up, 3 down, 4 gate_up, 5..8 biases, 9..12 block scales)
+    element_type: int  # packformat.constants.ElementType id: GGML's (< 256) or the pack's own
     shape: tuple[int, ...]  # logical elements, last dim contiguous and blocked
     offset: int  # bytes from the start of the slot
     nbytes: int

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
+from storaged.stats_snapshot import StatsSnapshot as Stats
+from storaged.stats_snapshot import TierStats
+
+__all__ = ["ModelInfo", "ServerInfo", "Stats", "TierStats", "server_info", "stats"]
 
 
 @dataclass(frozen=True)
@@ -30,43 +34,6 @@ class ServerInfo:
     max_ids_per_acquire: int
 
 
-@dataclass(frozen=True)
-class TierStats:
-    hits: int
-    misses: int  # includes misses that joined a load in flight (`coalesced`)
-    evictions: int
-    resident_experts: int
-    resident_bytes: int
-    capacity_slots: int
-    coalesced: int
-
-
-@dataclass(frozen=True)
-class Stats:
-    tiers: dict[str, TierStats]  # "vram", and "host" when that tier is on
-    bytes_read: int
-    h2d_bytes: int
-    io_errors: int
-    checksum_failures: int
-    prefetch_issued: int
-    prefetch_used: int
-    prefetch_wasted: int
-    sessions: int
-    pins: int  # VRAM pins held by all sessions now
-    acquires: int
-    capacity_exhausted: int
-    acquire_latency_mean_us: float
-    read_latency_mean_us: float
-    loads_in_flight: int
-    reads: int
-    demotions: int  # VRAM victims copied down to the host tier
-    d2h_bytes: int
-    fence_waits: int  # slot reuses that waited for a session's device step
-    fence_revocations: int
-    hits_verified: int  # hits re-checked against their checksum (verify_hits)
-    hit_mismatches: int  # verified hits that failed and were reloaded from the pack
-
-
 def server_info(reply: pb.InfoResponse) -> ServerInfo:
     models = {m.name: ModelInfo(m.name, m.model_type, tuple(m.moe_layers), m.expert_count,
                                 m.max_object_bytes, m.bundle_path) for m in reply.models}
@@ -76,7 +43,6 @@ def server_info(reply: pb.InfoResponse) -> ServerInfo:
 
 
 def stats(reply: pb.StatsResponse) -> Stats:
-    """Every field of Stats from the reply field of the same name (one list: the dataclass)."""
-    tiers = {t.tier: TierStats(t.hits, t.misses, t.evictions, t.resident_experts, t.resident_bytes,
-                               t.capacity_slots, t.coalesced) for t in reply.tiers}
-    return Stats(tiers=tiers, **{f.name: getattr(reply, f.name) for f in fields(Stats) if f.name != "tiers"})
+    """The snapshot the daemon rendered, rebuilt from the reply's `figures` map (so a figure the
+    field table gains needs nothing here); the tier list from `tiers`."""
+    return Stats.from_series(dict(reply.figures), tuple(t.tier for t in reply.tiers))

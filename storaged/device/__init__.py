@@ -35,12 +35,13 @@ Errors (storaged.device.errors): ArenaError, ArenaDescriptorError, SlotRangeErro
 ArenaClosedError, ArenaMapError, CudaUnavailableError, EventIndexError, CopySizeError.
 """
 
-from storaged.device.arena import Arena, CopyHandle, CpuArena, create_arena
+from storaged.device.arena import Arena, CopyHandle, CpuArena
 from storaged.device.client_arena import ClientArena, map_arena
 from storaged.device.cuda_arena import CudaArena
 from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.device.errors import (ArenaClosedError, ArenaDescriptorError, ArenaError, ArenaMapError,
                                     CopySizeError, CudaUnavailableError, EventIndexError, SlotRangeError)
+from storaged.device.factory import create_arena
 from storaged.device.host_tier import HostTier
 
 __all__ = [

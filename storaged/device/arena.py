@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from packtools.pack.constants import ALIGNMENT
+from packformat.constants import ALIGNMENT
 from storaged.device.descriptor import KIND_MEMFD, ArenaDescriptor, map_region_bytes
 from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
 from storaged.io.host_memory import AlignedBuffer
@@ -289,17 +289,3 @@ class CpuArena(Arena):
         self._tensor = None
         self._mmap = None
         os.close(self._fd)
-
-
-def create_arena(kind: str, slot_count: int, slot_bytes: int, *, map_entries: int = 0, device: int = 0,
-                 event_count: int = 256) -> Arena:
-    """kind 'cpu' (a sealed memfd), 'cuda' (device `device`) or 'auto' (cuda when available)."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cpu":
-        return CpuArena(slot_count, slot_bytes, map_entries=map_entries)
-    if kind == "cuda":
-        from storaged.device.cuda_arena import CudaArena
-
-        return CudaArena(slot_count, slot_bytes, map_entries=map_entries, device=device, event_count=event_count)
-    raise ValueError(f"arena kind {kind!r} is not one of 'cpu', 'cuda', 'auto'")

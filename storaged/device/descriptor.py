@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from packtools.pack.constants import ALIGNMENT, align_up
+from packformat.constants import ALIGNMENT, align_up
 from storaged.device.errors import ArenaDescriptorError
 
 KIND_MEMFD = "memfd"  # a sealed memory file, passed as a descriptor over the data plane (no CUDA)

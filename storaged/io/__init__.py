@@ -20,7 +20,7 @@
 - `filesystem_of(path) -> str`: "<fstype> at <mount point>".
 """
 
-from packtools.pack.errors import ObjectChecksumError
+from packformat.errors import ObjectChecksumError
 from storaged.io.direct import DirectPackFile, filesystem_of
 from storaged.io.errors import (BufferAlignmentError, BufferTooSmallError, DirectIOUnsupported,
                                 ExecutorClosedError, HostPinError, ObjectReadError, StorageIOError,

@@ -16,9 +16,9 @@ import mmap
 import os
 import re
 
-from packtools.pack.constants import ALIGNMENT
-from packtools.pack.index import ObjectEntry
-from packtools.pack.reader import verify_object
+from packformat.constants import ALIGNMENT
+from packformat.index import ObjectEntry
+from packformat.reader import verify_object
 from storaged.io.errors import BufferTooSmallError, DirectIOUnsupported, ObjectReadError
 from storaged.io.host_memory import AlignedBuffer, check_alignment
 

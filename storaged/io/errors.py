@@ -1,12 +1,13 @@
 """Typed errors of storaged's I/O layer. Each names the file, buffer or object that is wrong.
 
-Checksum mismatches are packtools' own ObjectChecksumError (re-exported by storaged.io), so a
-caller handles a bad object the same way whether packtools or storaged read it.
+Checksum mismatches are the pack format's own ObjectChecksumError (packformat.errors, re-exported
+by storaged.io), so a caller handles a bad object the same way whether packformat's reader or
+storaged read it.
 """
 
 from __future__ import annotations
 
-from packtools.pack.errors import PackError
+from packformat.errors import PackError
 
 
 class StorageIOError(Exception):

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from packtools.pack.errors import ObjectChecksumError
-from packtools.pack.index import ObjectEntry
-from packtools.pack.reader import verify_object
+from packformat.errors import ObjectChecksumError
+from packformat.index import ObjectEntry
+from packformat.reader import verify_object
 from storaged.io.direct import DirectPackFile
 from storaged.io.errors import ExecutorClosedError, ObjectReadError, UnknownPackError
 from storaged.io.host_memory import AlignedBuffer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packtools.pack.constants import ALIGNMENT
+from packformat.constants import ALIGNMENT
 from storaged.io.errors import BufferAlignmentError, HostPinError
 
 

@@ -15,7 +15,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from packtools.pack.constants import ALIGNMENT, align_up
+from packformat.constants import ALIGNMENT, align_up
 from storaged.io.errors import StorageIOError
 from storaged.io.host_memory import AlignedBuffer, HostMemory
 

@@ -11,7 +11,7 @@ the pack on NVMe. `SlotMapLayout` places each object's entry in the arena's slot
   min-heap: O(log n), not a scan of every slot. Pinned and LOADING entries are never evicted.
 - `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer, and on
   request drop its pins on the model's other layers; hits, single-flight waits, loads from host
-  or pack; all-or-nothing on CapacityExhausted), Prefetch
+  or pack; all-or-nothing on SlotsExhausted), Prefetch
   (free or cold slots only, never pinned or loading ones), completion/abort, release/close, and
   `reload(key)`: a resident object whose bytes failed verification is loaded again in its slot.
 - `PolicyStats`: counters and gauges for the Stats RPC and Prometheus.
@@ -20,9 +20,8 @@ Pure Python, no I/O. Not thread-safe and need not be: storaged calls it only fro
 asyncio event-loop thread, and no call awaits, so each call is atomic with respect to the others.
 """
 
-from storaged.policy.errors import (CapacityExhausted, DuplicateExpert, InvalidExpert,
-                                    InvalidLayer, InvalidRequest, PolicyError, PolicyStateError,
-                                    TooManyExperts, UnknownModel)
+from storaged.policy.errors import (DuplicateExpert, InvalidExpert, InvalidExpertRequest, InvalidLayer,
+                                    PolicyError, PolicyStateError, SlotsExhausted, TooManyExperts, UnknownModel)
 from storaged.policy.keys import ExpertKey, ModelLayout
 from storaged.policy.plan import (AcquirePlan, Demotion, Eviction, ExpertStep, PolicyStats,
                                   PrefetchPlan, SessionId, Source)
@@ -32,9 +31,10 @@ from storaged.policy.slot_cache import (EntryState, EntryView, Reservation, Resi
 from storaged.policy.slot_map import ABSENT, SlotMapLayout
 
 __all__ = [
-    "ABSENT", "Demotion", "SlotMapLayout", "AcquirePlan", "AcquirePlanner", "CapacityExhausted", "DuplicateExpert", "EntryState",
+    "ABSENT", "Demotion", "SlotMapLayout", "AcquirePlan", "AcquirePlanner", "SlotsExhausted", "DuplicateExpert",
+    "EntryState",
     "EntryView", "Eviction", "ExpertKey", "ExpertStep", "InvalidExpert", "InvalidLayer",
-    "InvalidRequest", "ModelLayout", "PolicyError", "PolicyStateError", "PolicyStats",
+    "InvalidExpertRequest", "ModelLayout", "PolicyError", "PolicyStateError", "PolicyStats",
     "PrefetchPlan", "Reservation", "ResidentStats", "SessionId", "SlotCache", "Source",
     "TierCounters", "TooManyExperts", "UnknownModel",
 ]

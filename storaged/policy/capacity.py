@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from storaged.policy.errors import CapacityExhausted
+from storaged.policy.errors import SlotsExhausted
 from storaged.policy.keys import ExpertKey
 from storaged.policy.slot_cache import EntryState, SlotCache
 
 
 def check_capacity(vram: SlotCache, model: int, layer: int, previous: tuple[ExpertKey, ...],
                    released_elsewhere: Sequence[ExpertKey], keys: tuple[ExpertKey, ...]) -> None:
-    """Raise CapacityExhausted if the misses among `keys` cannot all get a VRAM slot once the
+    """Raise SlotsExhausted if the misses among `keys` cannot all get a VRAM slot once the
     requesting session's pins on `previous` (its pins on this layer) and `released_elsewhere`
     (its pins on other layers that this Acquire drops; never in `keys`, which are all of
     `layer`) are gone. A session holds at most one pin per key."""
@@ -37,5 +37,5 @@ def check_capacity(vram: SlotCache, model: int, layer: int, previous: tuple[Expe
             if pins_after_release == 0:
                 available -= 1  # a hit on an evictable entry pins it: no longer a victim
     if needed > available:
-        raise CapacityExhausted(vram.tier, needed, available,
+        raise SlotsExhausted(vram.tier, needed, available,
                                 f"model {model} layer {layer}: {len(keys)} experts requested")

@@ -1,8 +1,10 @@
 """Typed errors of the cache policy. Each names the model, layer, expert or key that is wrong.
 
-The gRPC layer maps them to status codes: `InvalidRequest` → INVALID_ARGUMENT,
-`CapacityExhausted` → RESOURCE_EXHAUSTED, `PolicyStateError` → FAILED_PRECONDITION /
-INTERNAL (it means the caller broke the reserve → complete/abort protocol).
+The gRPC layer maps them to status codes: `InvalidExpertRequest` → INVALID_ARGUMENT,
+`SlotsExhausted` → RESOURCE_EXHAUSTED, `PolicyStateError` → FAILED_PRECONDITION /
+INTERNAL (it means the caller broke the reserve → complete/abort protocol). What a client
+then catches are storaged.client's InvalidRequest and CapacityExhausted; the policy's classes
+are named apart from those so that code and tests seeing both never meet two classes of one name.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ class PolicyError(Exception):
     """Base of every error raised by the cache policy."""
 
 
-class InvalidRequest(PolicyError):
+class InvalidExpertRequest(PolicyError):
     """The client asked for something that does not exist or is malformed."""
 
 
-class UnknownModel(InvalidRequest):
+class UnknownModel(InvalidExpertRequest):
     def __init__(self, model: int, served: list[int]):
         super().__init__(f"model {model} is not served (served models: {sorted(served)})")
         self.model = model
 
 
-class InvalidLayer(InvalidRequest):
+class InvalidLayer(InvalidExpertRequest):
     def __init__(self, model: int, layer: int, layer_count: int):
         super().__init__(
             f"model {model}: layer {layer} has no routed experts "
@@ -37,7 +39,7 @@ class InvalidLayer(InvalidRequest):
         self.layer = layer
 
 
-class InvalidExpert(InvalidRequest):
+class InvalidExpert(InvalidExpertRequest):
     def __init__(self, model: int, layer: int, expert: int, expert_count: int):
         super().__init__(
             f"model {model} layer {layer}: expert {expert} out of range [0, {expert_count})"
@@ -47,7 +49,7 @@ class InvalidExpert(InvalidRequest):
         self.expert = expert
 
 
-class DuplicateExpert(InvalidRequest):
+class DuplicateExpert(InvalidExpertRequest):
     def __init__(self, model: int, layer: int, expert: int):
         super().__init__(f"model {model} layer {layer}: expert {expert} requested twice")
         self.model = model
@@ -55,7 +57,7 @@ class DuplicateExpert(InvalidRequest):
         self.expert = expert
 
 
-class TooManyExperts(InvalidRequest):
+class TooManyExperts(InvalidExpertRequest):
     def __init__(self, model: int, layer: int, count: int, limit: int):
         super().__init__(
             f"model {model} layer {layer}: {count} experts requested, at most {limit} per call"
@@ -66,7 +68,7 @@ class TooManyExperts(InvalidRequest):
         self.limit = limit
 
 
-class CapacityExhausted(PolicyError):
+class SlotsExhausted(PolicyError):
     """Not enough free or evictable slots: everything else is pinned or still loading."""
 
     def __init__(self, tier: str, needed: int, available: int, detail: str = ""):

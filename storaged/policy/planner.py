@@ -87,8 +87,8 @@ class AcquirePlanner:
 
         `release_other_layers`: also drop the session's pins on every other layer of `model`, in
         the same step, so those slots can be this request's victims (a client computing one
-        layer at a time then needs only that layer's demand to fit). Raises an InvalidRequest
-        subclass or CapacityExhausted before changing anything, the other layers' pins included.
+        layer at a time then needs only that layer's demand to fit). Raises an InvalidExpertRequest
+        subclass or SlotsExhausted before changing anything, the other layers' pins included.
         """
         self._validate(model, layer, experts, enforce_limit=True)
         keys = tuple([ExpertKey(model, layer, expert) for expert in experts])

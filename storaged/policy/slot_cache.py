@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from storaged.policy.decay import NEVER_ACCESSED, DecayClock
 from storaged.policy.entries import (CacheEntry, EntryState, EntryView, Reservation,
                                      ResidentStats, TierCounters)
-from storaged.policy.errors import CapacityExhausted, PolicyStateError
+from storaged.policy.errors import SlotsExhausted, PolicyStateError
 from storaged.policy.eviction_heap import EvictionHeap, HeapWork
 from storaged.policy.keys import ExpertKey
 
@@ -196,10 +196,10 @@ class SlotCache:
         return Reservation(slot, evicted)
 
     def reserve(self, key: ExpertKey, *, prefetch: bool = False) -> Reservation:
-        """Like try_reserve, but raises CapacityExhausted when every slot is pinned or loading."""
+        """Like try_reserve, but raises SlotsExhausted when every slot is pinned or loading."""
         reservation = self.try_reserve(key, prefetch=prefetch)
         if reservation is None:
-            raise CapacityExhausted(self.tier, needed=1, available=0, detail=f"for {key}")
+            raise SlotsExhausted(self.tier, needed=1, available=0, detail=f"for {key}")
         return reservation
 
     def complete(self, key: ExpertKey) -> int:

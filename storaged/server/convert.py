@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packtools.pack.index import ObjectEntry
+from packformat.index import ObjectEntry
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD, ArenaDescriptor
 from storaged.policy import SlotMapLayout

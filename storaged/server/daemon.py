@@ -157,7 +157,7 @@ async def _close_idle_sessions_forever(sessions: SessionRegistry, engine: Storag
         closed = sessions.close_idle()
         for session in closed:
             engine.close_session(session)  # as when a stream ends: its pins, if any, are released
-        engine.metrics.sessions_idle_closed.inc(len(closed))
+        engine.metrics.add("sessions_idle_closed_total", len(closed))
         unlogged += len(closed)
         if unlogged and loop.time() >= log_after:  # one line per STATUS_INTERVAL_SECONDS at most
             log.info("closed %d session(s) idle for %g s without an Acquire stream or data plane connection",

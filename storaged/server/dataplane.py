@@ -25,7 +25,7 @@ import grpc
 from storaged.server.engine import StorageEngine
 from storaged.server.fences import FenceTable
 from storaged.server.peer_access import REFUSAL, AccessPolicy, PeerCredentialsUnavailable, peer_credentials
-from storaged.server.sessions import Session, SessionNotFound, SessionRegistry
+from storaged.server.sessions import ServerSession, SessionNotFound, SessionRegistry
 from storaged.server.status import REQUEST_ERRORS, status_of
 from storaged.wire import dataplane as wire
 from storaged.wire.dataplane import Kind
@@ -99,7 +99,7 @@ class DataPlaneServer:
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         pidfd = None
-        session: Session | None = None
+        session: ServerSession | None = None
         try:
             try:
                 peer = peer_credentials(sock)
@@ -151,7 +151,7 @@ class DataPlaneServer:
                 os.close(pidfd)
             sock.close()
 
-    async def _hello(self, sock: socket.socket) -> Session | None:
+    async def _hello(self, sock: socket.socket) -> ServerSession | None:
         """The session a HELLO binds; None after answering an ARENA (which binds nothing)."""
         loop = asyncio.get_running_loop()
         header = await _recv_exactly(loop, sock, wire.HEADER.size)
@@ -184,7 +184,8 @@ class DataPlaneServer:
         sock.sendmsg([wire.frame(Kind.ARENA_OK, 0)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         self.engine.metrics.record_dataplane_request("arena")
 
-    async def _requests(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _requests(self, session: ServerSession, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
         metrics = self.engine.metrics
         while True:
             header = await reader.readexactly(wire.HEADER.size)
@@ -217,7 +218,7 @@ class DataPlaneServer:
             writer.write(reply)
             await writer.drain()
 
-    async def _dispatch(self, session: Session, kind: int, request_id: int, body: bytes) -> bytes:
+    async def _dispatch(self, session: ServerSession, kind: int, request_id: int, body: bytes) -> bytes:
         if session.closed:
             raise SessionNotFound(session.id)
         if kind == Kind.ACQUIRE:

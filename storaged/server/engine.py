@@ -30,18 +30,18 @@ import concurrent.futures
 import time
 from dataclasses import dataclass, field
 
-from packtools.pack.errors import ObjectChecksumError
+from packformat.errors import ObjectChecksumError
 from storaged.device.arena import Arena
 from storaged.device.host_tier import HostTier
 from storaged.io.executor import ReadExecutor, ReadPriority
 from storaged.io.staging import StagingPool
 from storaged.metrics import StoragedMetrics
-from storaged.policy import (AcquirePlanner, CapacityExhausted, Demotion, EntryState, Eviction, ExpertKey,
-                             ExpertStep, SlotMapLayout, Source)
+from storaged.policy import (AcquirePlanner, Demotion, EntryState, Eviction, ExpertKey, ExpertStep,
+                             SlotMapLayout, SlotsExhausted, Source)
 from storaged.server.fences import FenceTable, Snapshot
 from storaged.server.hit_verify import HitVerifier
 from storaged.server.models import ServedModel
-from storaged.server.sessions import Session
+from storaged.server.sessions import ServerSession
 
 NO_EVENT = -1  # ready_events value of a slot whose bytes are already complete
 
@@ -103,7 +103,6 @@ class StorageEngine:
         self._loads: dict[ExpertKey, _Load] = {}
         self._demotions: dict[ExpertKey, asyncio.Future] = {}  # → None once the host copy is complete
         self._tasks: set[asyncio.Task] = set()
-        self.capacity_exhausted = 0  # Acquires refused with CapacityExhausted
 
     @property
     def loads_in_flight(self) -> int:
@@ -111,7 +110,7 @@ class StorageEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    async def acquire(self, session: Session, layer: int, experts: tuple[int, ...], *,
+    async def acquire(self, session: ServerSession, layer: int, experts: tuple[int, ...], *,
                       release_other_layers: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(slots, ready_events) in request order; pins replace the session's pins on `layer`
         (and, with `release_other_layers`, its pins on every other layer of the model)."""
@@ -123,8 +122,8 @@ class StorageEngine:
         try:
             plan = self.planner.acquire(session.id, model.model_id, layer, experts,
                                         release_other_layers=release_other_layers)
-        except CapacityExhausted:
-            self.capacity_exhausted += 1
+        except SlotsExhausted:
+            self.metrics.add("capacity_exhausted_total")
             raise
         events = [NO_EVENT] * len(plan.steps)
         own_loads: list[tuple[int, asyncio.Future]] = []  # → event index of the copy, or None
@@ -156,7 +155,7 @@ class StorageEngine:
         self.metrics.observe_acquire(time.perf_counter() - started)
         return plan.slots, tuple(events)
 
-    def prefetch(self, session: Session, layer: int, experts: tuple[int, ...]) -> int:
+    def prefetch(self, session: ServerSession, layer: int, experts: tuple[int, ...]) -> int:
         """Start low-priority loads for hinted experts; returns how many were started."""
         if not experts:
             raise EmptyRequest(f"session {session.id}: Prefetch of layer {layer} names no experts")
@@ -169,13 +168,13 @@ class StorageEngine:
             self._start_load(step, session.model, ReadPriority.PREFETCH, reused.get(step.slot))
         return len(plan.loads)
 
-    def release(self, session: Session, layer: int | None) -> int:
+    def release(self, session: ServerSession, layer: int | None) -> int:
         """Unpin the session's slots on `layer` (InvalidLayer unless a MoE layer), or all of them."""
         if layer is not None:
             self.planner.validate_layer(session.model.model_id, layer)
         return self.planner.release(session.id, layer, model=session.model.model_id)
 
-    def close_session(self, session: Session) -> int:
+    def close_session(self, session: ServerSession) -> int:
         return self.planner.close_session(session.id)
 
     def _reload(self, step: ExpertStep, model: ServedModel) -> tuple[_Load, bool]:

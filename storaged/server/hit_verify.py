@@ -19,8 +19,8 @@ import logging
 import random
 import zlib
 
-from packtools.pack.index import ObjectEntry
-from packtools.pack.reader import PackReader
+from packformat.index import ObjectEntry
+from packformat.reader import PackReader
 from storaged.device.arena import Arena
 from storaged.io.staging import StagingPool
 from storaged.metrics import StoragedMetrics

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtools.bundle import Bundle, BundleError, open_bundle
-from packtools.pack import PackError, PackReader
-from packtools.pack.index import ObjectEntry, RoleEntry
+from packformat import PackError, PackReader
+from packformat.bundle import Bundle, BundleError, open_bundle
+from packformat.index import ObjectEntry, RoleEntry
 from storaged.policy.keys import ModelLayout
 
 
-class ModelLoadError(Exception):
+class ModelOpenError(Exception):
     """A configured bundle cannot be served; names the model and the bundle problem."""
 
     def __init__(self, model: str, path: Path, problem: str):
@@ -84,7 +84,7 @@ def open_models(models: Mapping[str, Path]) -> dict[str, ServedModel]:
             try:
                 bundle = open_bundle(path)
             except (BundleError, PackError) as exc:
-                raise ModelLoadError(name, path, str(exc)) from None
+                raise ModelOpenError(name, path, str(exc)) from None
             layers = tuple(_layer_objects(bundle.pack, layer) for layer in bundle.pack.layers)
             served[name] = ServedModel(name, model_id, bundle, layers)
     except BaseException:

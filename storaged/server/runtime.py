@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from packtools.pack.constants import ALIGNMENT, align_up
+from packformat.constants import ALIGNMENT, align_up
 from storaged.config import StoragedConfig
 from storaged.device import Arena, ArenaError, HostTier, create_arena
 from storaged.io import (DirectIOUnsupported, DirectPackFile, HostPinError, ReadExecutor, StagingPool,

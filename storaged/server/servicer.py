@@ -24,7 +24,7 @@ from storaged.server.engine import LoadError, ObjectDataLoss, StorageEngine
 from storaged.server.models import ServedModel
 from storaged.server.runtime import Runtime
 from storaged.server.peer_access import PeerGate
-from storaged.server.sessions import Session, SessionBusy, SessionNotFound, SessionRegistry, TooManySessions
+from storaged.server.sessions import ServerSession, SessionNotFound, SessionRegistry, TooManySessions
 from storaged.server.stats import MetricsSync, stats_response
 from storaged.server.status import REQUEST_ERRORS
 from storaged.server.status import status_of as request_status_of
@@ -131,7 +131,7 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
         try:
             session = self.sessions.open(model, owner)
         except TooManySessions as exc:
-            self.engine.metrics.sessions_refused.inc()
+            self.engine.metrics.add("sessions_refused_total")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         geometry = self.runtime.geometry
         return pb.AttachResponse(session_id=session.id, arena=convert.arena_descriptor(descriptor),
@@ -174,7 +174,7 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
                       context) -> AsyncIterator[pb.AcquireResponse]:
         task = asyncio.current_task()
         assert task is not None
-        session: Session | None = None
+        session: ServerSession | None = None
         server_error = False  # the stream ends with our error status: the session survives it
         try:
             # A client that names its session in the call's metadata binds the stream (and so
@@ -221,7 +221,7 @@ class ExpertStorageServicer(pb_grpc.ExpertStorageServicer):
             if session is not None:
                 self._end_stream(session, close_session=not server_error)
 
-    def _end_stream(self, session: Session, *, close_session: bool) -> None:
+    def _end_stream(self, session: ServerSession, *, close_session: bool) -> None:
         self.sessions.unbind_stream(session)
         self.engine.close_session(session)
         if close_session:

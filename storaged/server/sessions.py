@@ -33,7 +33,7 @@ class SessionNotFound(LookupError):
         self.session_id = session_id
 
 
-class SessionBusy(RuntimeError):
+class StreamAlreadyOpen(RuntimeError):
     """A second Acquire stream was opened for a session whose stream is still open."""
 
     def __init__(self, session_id: str):
@@ -55,7 +55,9 @@ class TooManySessions(RuntimeError):
 
 
 @dataclass(eq=False)
-class Session:
+class ServerSession:
+    """The daemon's record of one attached session (storaged.client.Session is the client's handle)."""
+
     id: str
     model: ServedModel
     owner: int | None = None  # uid of the peer that attached it (None: peers are not identified)
@@ -80,8 +82,8 @@ class SessionRegistry:
         self.idle_seconds = idle_seconds
         self.max_per_owner = max_per_owner
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
-        self._idle: OrderedDict[str, Session] = OrderedDict()  # not streaming, oldest idle_since first
+        self._sessions: dict[str, ServerSession] = {}
+        self._idle: OrderedDict[str, ServerSession] = OrderedDict()  # not streaming, oldest idle_since first
         self._per_owner: Counter[int] = Counter()
         self._idle_closed: OrderedDict[str, None] = OrderedDict()
 
@@ -91,18 +93,18 @@ class SessionRegistry:
     def count_of(self, owner: int) -> int:
         return self._per_owner[owner]
 
-    def open(self, model: ServedModel, owner: int | None = None) -> Session:
+    def open(self, model: ServedModel, owner: int | None = None) -> ServerSession:
         """A new session, idle until a stream binds it; TooManySessions when `owner` is at its bound."""
         if owner is not None and self.max_per_owner is not None and self._per_owner[owner] >= self.max_per_owner:
             raise TooManySessions(owner, self._per_owner[owner], self.max_per_owner)
-        session = Session(secrets.token_urlsafe(24), model, owner, idle_since=self._clock())
+        session = ServerSession(secrets.token_urlsafe(24), model, owner, idle_since=self._clock())
         self._sessions[session.id] = session
         self._idle[session.id] = session
         if owner is not None:
             self._per_owner[owner] += 1
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str) -> ServerSession:
         """The live session; naming an idle session counts as using it (its idle time restarts)."""
         session = self._sessions.get(session_id)
         if session is None:
@@ -115,15 +117,15 @@ class SessionRegistry:
             self._idle.move_to_end(session_id)
         return session
 
-    def bind_stream(self, session_id: str) -> Session:
+    def bind_stream(self, session_id: str) -> ServerSession:
         session = self.get(session_id)
         if session.streaming:
-            raise SessionBusy(session_id)
+            raise StreamAlreadyOpen(session_id)
         session.streaming = True
         del self._idle[session_id]
         return session
 
-    def unbind_stream(self, session: Session) -> None:
+    def unbind_stream(self, session: ServerSession) -> None:
         if not session.streaming:
             return
         session.streaming = False
@@ -131,7 +133,7 @@ class SessionRegistry:
             session.idle_since = self._clock()
             self._idle[session.id] = session
 
-    def close(self, session_id: str) -> Session | None:
+    def close(self, session_id: str) -> ServerSession | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             session.closed = True
@@ -142,7 +144,7 @@ class SessionRegistry:
                     del self._per_owner[session.owner]
         return session
 
-    def close_idle(self) -> list[Session]:
+    def close_idle(self) -> list[ServerSession]:
         """Close every session idle for idle_seconds or longer; returns them (their pins are the
         caller's to release)."""
         deadline = self._clock() - self.idle_seconds
@@ -158,5 +160,5 @@ class SessionRegistry:
             closed.append(session)
         return closed
 
-    def all(self) -> list[Session]:
+    def all(self) -> list[ServerSession]:
         return list(self._sessions.values())

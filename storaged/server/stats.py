@@ -1,39 +1,32 @@
-"""Policy counters → Prometheus metrics, and the Stats reply built from both.
+"""The policy's and the engine's figures copied into StoragedMetrics, and the Stats reply.
 
-The planner counts hits, misses, evictions and prefetch outcomes itself; they are copied into
-StoragedMetrics as deltas by `MetricsSync.sync()`, which the daemon runs on the event loop
-(the planner's thread) every second and before each Stats reply. Read bytes, read latency, I/O
-errors and checksum failures are recorded by the read workers directly; H2D bytes and Acquire
-latency by the engine.
+The planner counts hits, misses, evictions and prefetch outcomes itself, and only its event-loop
+thread may read them; `MetricsSync.sync()`, which the daemon runs on that loop every second and
+before each Stats reply, copies them (and the fences', sessions' and engine's figures) into
+StoragedMetrics, which the /metrics thread reads. Read bytes, read latency, I/O errors and
+checksum failures are recorded by the read workers directly; H2D bytes, Acquire latency and
+refusals by the engine.
+
+`stats_reply` is the second rendering of a StatsSnapshot (storaged.metrics renders the first,
+/metrics): the reply fields the field table names, and every series in `figures`.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged.metrics import StoragedMetrics
 from storaged.policy import PolicyStats
 from storaged.server.engine import StorageEngine
 from storaged.server.sessions import SessionRegistry
+from storaged.stats_snapshot import StatsSnapshot
 
 SYNC_INTERVAL_SECONDS = 1.0
-
-# PolicyStats counter → (StoragedMetrics recorder name, tier or None)
-_COUNTERS = {
-    "vram_hits": ("record_hit", "vram"), "vram_misses": ("record_miss", "vram"),
-    "vram_evictions": ("record_eviction", "vram"), "host_hits": ("record_hit", "host"),
-    "host_misses": ("record_miss", "host"), "host_evictions": ("record_eviction", "host"),
-}
-_PREFETCH = {"prefetch_issued": "issued", "prefetch_used": "used", "prefetch_wasted": "wasted"}
 
 
 class MetricsSync:
     def __init__(self, engine: StorageEngine, sessions: SessionRegistry):
         self.engine = engine
         self.sessions = sessions
-        self._last = {name: 0 for name in (*_COUNTERS, *_PREFETCH)}
-        self._fences = (0, 0.0, 0)  # waits, wait seconds, revocations already recorded
 
     @property
     def metrics(self) -> StoragedMetrics:
@@ -41,63 +34,35 @@ class MetricsSync:
 
     def sync(self) -> PolicyStats:
         stats = self.engine.planner.stats()
-        now = dataclasses.asdict(stats)
-        for name, (recorder, tier) in _COUNTERS.items():
-            delta = now[name] - self._last[name]
-            if delta:
-                getattr(self.metrics, recorder)(tier, delta)
-        prefetch = {label: now[name] - self._last[name] for name, label in _PREFETCH.items()}
-        if any(prefetch.values()):
-            self.metrics.record_prefetch(**prefetch)
-        self._last = {name: now[name] for name in self._last}
-        fences = self.engine.fences
-        waits, seconds, revocations = fences.waits, fences.wait_seconds, fences.revocations
-        last_waits, last_seconds, last_revocations = self._fences
-        if waits > last_waits:
-            self.metrics.fence_waits.inc(waits - last_waits)
-            self.metrics.fence_wait_seconds.inc(seconds - last_seconds)
-        if revocations > last_revocations:
-            self.metrics.fence_revocations.inc(revocations - last_revocations)
-        self._fences = (waits, seconds, revocations)
-        self.metrics.set_resident("vram", stats.vram_resident_entries, stats.vram_resident_bytes)
-        self.metrics.set_resident("host", stats.host_resident_entries, stats.host_resident_bytes)
-        self.metrics.set_sessions(len(self.sessions))
+        planner, fences, metrics = self.engine.planner, self.engine.fences, self.metrics
+        tiers = {"vram": (stats.vram_hits, stats.vram_misses, stats.vram_evictions, stats.vram_coalesced,
+                          stats.vram_resident_entries, stats.vram_resident_bytes, planner.vram.slot_count),
+                 "host": (stats.host_hits, stats.host_misses, stats.host_evictions, 0,
+                          stats.host_resident_entries, stats.host_resident_bytes,
+                          planner.host.slot_count if planner.host is not None else 0)}
+        for tier, figures in tiers.items():
+            for name, value in zip(("hits_total", "misses_total", "evictions_total", "coalesced_total",
+                                    "resident_experts", "resident_bytes", "capacity_slots"), figures):
+                metrics.set(name, value, label=tier)
+        metrics.set_tier_names(("vram",) if planner.host is None else ("vram", "host"))
+        for name, value in (("prefetch_issued_total", stats.prefetch_issued),
+                            ("prefetch_used_total", stats.prefetch_used),
+                            ("prefetch_wasted_total", stats.prefetch_wasted),
+                            ("pins", stats.pins_outstanding), ("sessions", len(self.sessions)),
+                            ("loads_in_flight", self.engine.loads_in_flight),
+                            ("fence_waits_total", fences.waits), ("fence_wait_seconds_total", fences.wait_seconds),
+                            ("fence_revocations_total", fences.revocations)):
+            metrics.set(name, value)
         return stats
 
 
-def _mean_us(figures: dict[str, float], name: str) -> float:
-    count = figures.get(f"{name}_count", 0.0)
-    return figures.get(f"{name}_sum", 0.0) / count * 1e6 if count else 0.0
+def stats_reply(snapshot: StatsSnapshot) -> pb.StatsResponse:
+    """The Stats reply of `snapshot`: a reply field the table names but the proto lacks is a
+    ValueError from protobuf, which tests/storaged/test_stats_snapshot.py guards against."""
+    tiers = [pb.TierStats(tier=tier, **snapshot.tier_fields(tier)) for tier in snapshot.tier_names]
+    return pb.StatsResponse(tiers=tiers, figures=snapshot.series(), **snapshot.reply_fields())
 
 
 def stats_response(sync: MetricsSync) -> pb.StatsResponse:
-    stats = sync.sync()
-    figures = sync.metrics.snapshot()
-    planner = sync.engine.planner
-
-    def tier(name: str, capacity: int, coalesced: int) -> pb.TierStats:
-        return pb.TierStats(
-            tier=name, hits=int(figures[f"hits_total{{tier={name}}}"]),
-            misses=int(figures[f"misses_total{{tier={name}}}"]),
-            evictions=int(figures[f"evictions_total{{tier={name}}}"]),
-            resident_experts=int(figures[f"resident_experts{{tier={name}}}"]),
-            resident_bytes=int(figures[f"resident_bytes{{tier={name}}}"]),
-            capacity_slots=capacity, coalesced=coalesced)
-
-    tiers = [tier("vram", planner.vram.slot_count, stats.vram_coalesced)]
-    if planner.host is not None:
-        tiers.append(tier("host", planner.host.slot_count, 0))
-    counter = lambda name: int(figures[name])  # noqa: E731
-    return pb.StatsResponse(
-        tiers=tiers, bytes_read=counter("read_bytes_total"), h2d_bytes=counter("h2d_bytes_total"),
-        io_errors=counter("io_errors_total"), checksum_failures=counter("checksum_failures_total"),
-        prefetch_issued=counter("prefetch_issued_total"), prefetch_used=counter("prefetch_used_total"),
-        prefetch_wasted=counter("prefetch_wasted_total"), sessions=len(sync.sessions),
-        pins=stats.pins_outstanding, acquires=counter("acquire_seconds_count"),
-        capacity_exhausted=sync.engine.capacity_exhausted,
-        acquire_latency_mean_us=_mean_us(figures, "acquire_seconds"),
-        read_latency_mean_us=_mean_us(figures, "read_seconds"),
-        loads_in_flight=sync.engine.loads_in_flight, reads=counter("read_seconds_count"),
-        demotions=counter("demotions_total"), d2h_bytes=counter("d2h_bytes_total"),
-        fence_waits=counter("fence_waits_total"), fence_revocations=counter("fence_revocations_total"),
-        hits_verified=counter("hits_verified_total"), hit_mismatches=counter("hit_mismatches_total"))
+    sync.sync()
+    return stats_reply(sync.metrics.snapshot())

@@ -28,10 +28,10 @@ The file is sealed against writes: a client can map it read-only only (docs/stor
 every request, ARENA is answered only to a peer the allow-list admits: a refused one gets
 PERMISSION_DENIED and no descriptor.
 
-The ERROR status codes are gRPC's canonical codes (grpc.StatusCode values) with the meanings the
-proto lists for Acquire, Prefetch and Release; a request that fails is answered with ERROR and
-the connection stays usable, except after a malformed frame (INVALID_ARGUMENT, then closed) or
-a refused HELLO. The connection binds the session like an Acquire stream: while it is open the
+The ERROR status codes are gRPC's canonical codes (storaged.wire.status.StatusCode) with the
+meanings the proto lists for Acquire, Prefetch and Release; a request that fails is answered with
+ERROR and the connection stays usable, except after a malformed frame (INVALID_ARGUMENT, then
+closed) or a refused HELLO. The connection binds the session like an Acquire stream: while it is open the
 session's pins live, and when it closes they are released and the session ends.
 
 The fence page (FENCE_BYTES, little-endian u64 words) is how a client that reads the slot map on

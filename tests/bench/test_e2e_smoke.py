@@ -80,7 +80,7 @@ def test_gguf_mmap_source_returns_the_pack_objects(disk_dir):
 
     from bench.e2e.gguf_mmap_source import GGUFMmapSource
     from inference.experts import LocalPackSource
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     model = prepare_model(TINY_SHAPES["deepseek"], 3, disk_dir, with_bf16_checkpoint=False)
     with open_bundle(model.bundle_dir) as bundle:

@@ -20,7 +20,7 @@ from bench.e2e.llamacpp_command import (BIN_ENV, BUILD_STATUS_ENV, DEFAULT_BIN, 
 from bench.e2e.llamacpp_run import binary_problem  # noqa: E402
 from bench.e2e.report import markdown  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES  # noqa: E402
-from packtools.pack import constants as C  # noqa: E402
+from packformat import constants as C  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LAYER = 1000  # bytes of one MoE layer's experts, for the arithmetic cases

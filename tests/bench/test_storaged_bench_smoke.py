@@ -118,7 +118,7 @@ def test_plan_geometry_refuses(pack_gib, object_mib):
 
 
 def test_written_bundle_opens_and_every_object_checks_out(tmp_path):
-    from packtools.bundle import open_bundle
+    from packformat.bundle import open_bundle
 
     geometry = PackGeometry(layers=3, experts=5, intermediate=64)
     write_bench_bundle(tmp_path / "bundle", geometry, seed=3)

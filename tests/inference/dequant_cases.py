@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from packtools.pack.constants import SELF_CONTAINED_TYPES, ElementType, block_shape
+from packformat.constants import SELF_CONTAINED_TYPES, ElementType, block_shape
 
 # Byte offsets of the fp16 scale fields inside one block (see gguf-py's dequantize_blocks).
 FP16_FIELDS: dict[ElementType, tuple[int, ...]] = {

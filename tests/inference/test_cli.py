@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -10,8 +13,9 @@ import torch
 from test_engine_fixtures import loaded, qwen_bundle, tiny_bundle  # noqa: F401  (fixtures)
 from test_server_fixtures import REPO
 
-from inference.cli import build_parser, main, serve_config_from_args
-from inference.config import ExpertSourceNotAvailableError, ServeConfig, make_expert_source
+from inference.cli import build_parser, generate_config_from_args, main, serve_config_from_args
+from inference.config import (ConfigError, ExpertSourceNotAvailableError, GenerateConfig, ModelConfig, ServeConfig,
+                              make_expert_source)
 from inference.engine import ModelRunner, SamplingParams, encode_chat, encode_completion_prompt
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import LocalPackSource
@@ -145,3 +149,41 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == "inference 0.1.0"
+
+
+# --- generate's configuration: one frozen GenerateConfig, built from the flags --------------
+
+def test_generate_flags_become_one_generate_config(tmp_path):
+    args = build_parser().parse_args(["generate", "--bundle", str(tmp_path), "--prompt", "hi", "--chat",
+                                      "--max-tokens", "7", "--temperature", "0.5", "--seed", "3", "--stop", "x",
+                                      "--dtype", "float32", "--lookahead", "0"])
+    config = generate_config_from_args(args)
+    assert (config.prompt, config.chat) == ("hi", True)
+    assert config.sampling == SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=("x",))
+    assert config.model == ModelConfig(bundle=tmp_path, dtype="float32", lookahead=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.prompt = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model": "bundle-dir"}, "'model' = 'bundle-dir'"),
+    ({"prompt": None}, "'prompt' = None"),
+    ({"chat": "yes"}, "'chat' = 'yes'"),
+    ({"sampling": {"max_tokens": 4}}, "'sampling'"),
+])
+def test_generate_config_refuses_wrong_values_naming_the_field(tmp_path, fields, message):
+    values = {"model": ModelConfig(bundle=tmp_path), "prompt": "p", "sampling": SamplingParams(max_tokens=4),
+              **fields}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        GenerateConfig(**values)
+
+
+@pytest.mark.parametrize("module", ["inference/config.py", "inference/server/run.py", "inference/engine"])
+def test_only_the_cli_sees_argparse(module):
+    """Configuration travels as the frozen dataclasses; the parsed command line stays in inference.cli."""
+    path = REPO / module
+    for source in [path] if path.is_file() else sorted(path.rglob("*.py")):
+        imported = {alias.name for node in ast.walk(ast.parse(source.read_text()))
+                    if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+        assert "argparse" not in imported, source

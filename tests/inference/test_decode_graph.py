@@ -149,3 +149,42 @@ def test_a_request_whose_experts_are_all_resident_makes_no_acquire(qwen_case, ea
         daemon.stop()
     assert first == eager_tokens and second == eager_tokens
     assert stats.tiers["vram"].hits == hits, "the second request acquired experts it found resident"
+
+
+LONG_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(40)]  # pads to 64 tokens: the grouped GEMM's size
+
+
+@pytest.mark.slow  # a fused prefill and decode under triton's interpreter on the CPU: minutes
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["pads to 16, per-pair GEMVs", "pads to 64, grouped"])
+def test_prefill_through_the_slot_map_equals_the_eager_prefill(qwen_case, prompt):
+    """With every expert resident the prefill is padded to its bucket and reads experts through
+    the slot map (the CUDA-graph prefill's logic, uncaptured): the same greedy tokens as the
+    eager prefill of the unpadded prompt. While experts are missing from the slot map the
+    prefill is eager, on the acquire path."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0)
+    with _load(qwen_case.bundle, LocalPackSource) as loaded:
+        runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None)
+        expected = list(runner.run(prompt, params, emit=lambda _: None).token_ids)
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes="64MiB")
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=128)
+            decoder = runner.decoder
+            decoder.lookup_prefill = True
+            source = loaded.expert_source
+            first = list(runner.run(prompt, params, emit=lambda _: None).token_ids)  # nothing resident: eager
+            assert (decoder.lookup_prefills, decoder.redone_prefills) == (0, 0)
+            pack = source.bundle.pack
+            for layer in pack.layers:  # every expert resident, the padding's too
+                source.acquire(layer, list(range(pack.header.expert_count)))
+            source.finish_resident_step()
+            hits = daemon.stats().tiers["vram"].hits
+            second = list(runner.run(prompt, params, emit=lambda _: None).token_ids)
+            assert (decoder.lookup_prefills, decoder.redone_prefills) == (1, 0)
+            assert daemon.stats().tiers["vram"].hits == hits  # nothing acquired: every expert was found resident
+            fence = loaded.expert_source.device_lookup()[4]
+            assert not fence.open and not fence.revoked
+    finally:
+        daemon.stop()
+    assert first == expected and second == expected

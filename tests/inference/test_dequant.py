@@ -78,7 +78,7 @@ def _edge_values(qtype, case_name: str) -> torch.Tensor:
 
 def test_edge_cases_produce_the_values_they_name():
     """The edge table really reaches signed zeros, f32 subnormals and infinities."""
-    from packtools.pack.constants import ElementType
+    from packformat.constants import ElementType
 
     zeros = _edge_values(ElementType.Q4_0, "negative_zero_scales")
     assert (zeros == 0).all() and torch.signbit(zeros).any() and not torch.signbit(zeros).all()
@@ -90,7 +90,7 @@ def test_edge_cases_produce_the_values_they_name():
 
 def test_result_does_not_alias_raw_bytes():
     """F32 must be copied out: the caller's slot bytes may be reused right after the call."""
-    from packtools.pack.constants import ElementType
+    from packformat.constants import ElementType
 
     raw = torch.from_numpy(np.arange(8, dtype=np.float32).view(np.uint8).copy())
     values = dequantize(raw, ElementType.F32, (8,))
@@ -138,7 +138,7 @@ def test_cuda_edge_blocks_match_gguf(qtype, case):
 def test_cuda_has_triton_kernels_for_the_hot_types():
     module = triton_backend()
     assert module is not None, "triton should import on the GPU machine"
-    from packtools.pack.constants import ElementType
+    from packformat.constants import ElementType
 
     hot = {ElementType.Q4_K, ElementType.MXFP4, ElementType.Q2_K, ElementType.Q3_K, ElementType.Q8_0}
     assert hot <= module.TRITON_TYPES

@@ -8,7 +8,7 @@ import torch
 
 from dequant_cases import ALL_TYPES, assert_bit_equal, nbytes_of, reference, valid_bytes
 from inference.dequant import dequantize, dequantize_many, triton_backend
-from packtools.pack.constants import ElementType, block_shape
+from packformat.constants import ElementType, block_shape
 
 EXPERTS = 3
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

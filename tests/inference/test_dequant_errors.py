@@ -21,7 +21,7 @@ from inference.dequant import (
     dequantize,
     dequantize_many,
 )
-from packtools.pack.constants import ElementType
+from packformat.constants import ElementType
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,7 +151,7 @@ def test_cpu_calls_never_import_triton():
         "sys.meta_path.insert(0, NoTriton())\n"
         "import torch\n"
         "from inference.dequant import dequantize, dequantize_many\n"
-        "from packtools.pack.constants import ElementType\n"
+        "from packformat.constants import ElementType\n"
         "raw = torch.zeros(2, 144, dtype=torch.uint8)\n"
         "dequantize(raw[0], ElementType.Q4_K, (256,))\n"
         "dequantize_many(raw, ElementType.Q4_K, (256,), out_dtype=torch.bfloat16)\n"

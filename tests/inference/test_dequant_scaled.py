@@ -28,7 +28,7 @@ from inference.dequant import (
     dequantize_scaled,
     dequantize_scaled_many,
 )
-from packtools.pack.constants import ElementType
+from packformat.constants import ElementType
 
 F4, UE8M0 = ElementType.F4_E2M1X2, ElementType.UE8M0
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -10,7 +10,6 @@ import threading
 import warnings
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from inference.experts import LocalPackSource
 from inference.model import load_model
 from packtools.build import build_bundle
 from packtools.synth.hf import synth_hf
+from storaged.client import StatusCode
 from storaged.client.errors import Unavailable
 
 warnings.filterwarnings("ignore", message=".*fla.*|.*causal_conv1d.*|.*fast path.*")
@@ -55,7 +55,7 @@ def engine(loaded):
 
 
 def unavailable(message: str = "connect: connection refused") -> Unavailable:
-    return Unavailable(grpc.StatusCode.UNAVAILABLE, message, rpc="Acquire")
+    return Unavailable(StatusCode.UNAVAILABLE, message, rpc="Acquire")
 
 
 class FlakyDaemonSource:

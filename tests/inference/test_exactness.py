@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
+from packformat import ElementType, Role
 from packtools.arch import ARCHITECTURES
-from packtools.pack import ElementType, Role
 
 
 def exactness_archs() -> list[str]:

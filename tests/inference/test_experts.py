@@ -25,9 +25,9 @@ from inference.experts import (
     select_expertpack,
 )
 from inference.model import build_meta_model, load_model
+from packformat import ElementType, ObjectChecksumError, PackWriter, Role, RoleEntry
+from packformat.bundle import open_bundle
 from packtools.arch.registry import tiny_config
-from packtools.bundle import open_bundle
-from packtools.pack import ElementType, ObjectChecksumError, PackWriter, Role, RoleEntry
 
 TOP_K = 4
 TOKENS = 37
@@ -234,7 +234,7 @@ def test_a_layer_whose_experts_differ_in_layout_is_refused(tmp_path):
     class PackOnly:  # uniform_layout reads only bundle.pack
         pack: object
 
-    from packtools.pack import PackReader
+    from packformat import PackReader
     with PackReader(tmp_path / "p.pack") as reader:
         with pytest.raises(ExpertLayoutError, match="layer 0: expert 1's roles .* differ from expert 0's"):
             LocalPackSource(PackOnly(reader), "cpu").layout(0)

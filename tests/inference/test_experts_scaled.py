@@ -11,8 +11,8 @@ from test_model_fixtures import make_reference_model
 
 from inference.experts.errors import ExpertLayoutError
 from inference.experts.plan import build_layer_plan
-from packtools.pack import RoleEntry
-from packtools.pack.constants import ROLE_ALIGNMENT, SCALE_ROLE_OF, ElementType, Role, align_up
+from packformat import RoleEntry
+from packformat.constants import ROLE_ALIGNMENT, SCALE_ROLE_OF, ElementType, Role, align_up
 
 F4, UE8M0, F32 = ElementType.F4_E2M1X2, ElementType.UE8M0, ElementType.F32
 HIDDEN, INTER = 64, 32

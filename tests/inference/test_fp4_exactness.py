@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM
 from inference.experts import LocalPackSource
 from inference.experts.storaged_source import StoragedExpertSource
 from inference.model import load_model
+from packformat.bundle import open_bundle
+from packformat.constants import SCALE_ROLE_OF, ElementType, Role
 from packtools.arch import ARCHITECTURES
 from packtools.arch.spec import BlockScaledParts
 from packtools.build import build_bundle
-from packtools.bundle import open_bundle
 from packtools.inspect import format_summary, summarize
-from packtools.pack.constants import SCALE_ROLE_OF, ElementType, Role
 from packtools.synth.hf import synth_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")

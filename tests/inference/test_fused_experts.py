@@ -16,10 +16,12 @@ from inference.dequant import dequantize_many
 from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
-from inference.kernels.ops import GEMV_TYPES, gemm_blocks, gemv_weight, moe_combine, moe_gemm, moe_gemv
+from inference.experts.storaged_source import ResidentLookup
+from inference.kernels.ops import (GEMV_TYPES, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine, moe_gemm,
+                                  moe_gemv)
 from inference.model import load_model
-from packtools.pack import ElementType, Role, RoleEntry
-from packtools.pack.constants import block_shape, tensor_nbytes
+from packformat import ElementType, Role, RoleEntry
+from packformat.constants import block_shape, tensor_nbytes
 from packtools.quants import random_blocks
 
 pytest.importorskip("triton")
@@ -169,17 +171,52 @@ class ThreeSlotSource(LocalPackSource):
         return 3
 
 
-@pytest.mark.parametrize("tokens, source", [(1, LocalPackSource), (40, LocalPackSource), (40, ThreeSlotSource)],
-                         ids=["pairs", "grouped", "grouped in groups of 3 experts"])
+class WholeArenaSource(LocalPackSource):
+    """Every expert of every layer in one arena behind a slot map, like a storaged arena that
+    holds the whole model: its resident lookup lists every layer as complete, and the layer
+    must neither acquire nor look at the routing on the host."""
+
+    def __init__(self, bundle, device):
+        super().__init__(bundle, device)
+        pack = bundle.pack
+        experts = list(range(pack.header.expert_count))
+        rows = {layer: LocalPackSource.acquire_rows(self, layer, experts) for layer in pack.layers}
+        stride = max(r.stride for r in rows.values())
+        arena = torch.zeros(len(rows) * len(experts) * stride, dtype=torch.uint8, device=self.device)
+        table = arena.view(-1, stride)
+        slot_maps = {}
+        for n, (layer, r) in enumerate(sorted(rows.items())):
+            slots = torch.arange(len(experts)).flip(0) + n * len(experts)  # not in expert order
+            table[slots.to(self.device), : r.stride] = r.rows()
+            slot_maps[layer] = slots.to(torch.int32).to(self.device)
+        self.lookup = ResidentLookup(slot_maps, arena, stride, frozenset(slot_maps))
+        self.finished = 0
+
+    def resident_lookup(self):
+        return self.lookup
+
+    def finish_resident_step(self):
+        self.finished += 1
+
+    def acquire_rows(self, layer, experts):
+        raise AssertionError(f"layer {layer} acquired {experts} although every expert is resident")
+
+
+@pytest.mark.parametrize("tokens, source", [(1, LocalPackSource), (40, LocalPackSource), (40, ThreeSlotSource),
+                                            (1, WholeArenaSource), (40, WholeArenaSource)],
+                         ids=["pairs", "grouped", "grouped in groups of 3 experts", "pairs from the slot map",
+                              "grouped from the slot map"])
 def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     """One experts module, decode-sized (per-pair GEMVs) and prefill-sized (grouped GEMM over
-    distinct experts: 80 pairs; and, with a source that holds 3 experts, 3 at a time), fused
-    against the exact path on the same inputs."""
+    distinct experts: 80 pairs; and, with a source that holds 3 experts, 3 at a time; and with
+    every expert resident, block table built on the device), fused against the exact path on the
+    same inputs."""
     layout = PackLayout(types=((Role.GATE, ElementType.Q4_K), (Role.UP, ElementType.Q4_K), (Role.DOWN, ElementType.Q8_0)))
     _, bundle_dir = make_case("qwen3_moe", tmp_path / "bundle", layout, hidden=256, moe_intermediate=256)
     outputs = {}
     for compute in ("exact", "fused"):
-        with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=source,
+        computing = LocalPackSource if compute == "exact" and source is WholeArenaSource else source
+        with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=computing,
                         experts_compute=compute) as loaded:
             _, module = experts_modules(loaded.model)[0]
             generator = torch.Generator().manual_seed(7)
@@ -190,6 +227,27 @@ def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
                 outputs[compute] = expertpack_experts_forward(module, x, top_k_index, top_k_weights).float().cpu()
     exact, fused = outputs["exact"], outputs["fused"]
     assert (fused - exact).abs().max() <= 2 * 2**-7 * exact.abs().max()
+
+
+@pytest.mark.parametrize("routing", [
+    [[0, 1], [1, 2], [2, 0], [0, 1], [3, 1]],  # a few experts, one of them unused
+    [[5, 1]] * 9,  # two experts, each with more pairs than a block (4)
+    [[e, (e + 1) % 8] for e in range(8)],  # every expert
+    [[7, 6]],  # fewer pairs than experts, only the last ones
+], ids=["some", "blocks spanning", "every expert", "the last experts"])
+def test_device_gemm_blocks_equal_the_host_table(routing):
+    """The block table built on the device (no host sync) lists the host table's blocks, in its
+    order, then only empty blocks, as many rows as any routing of S pairs can need."""
+    top_k_index = torch.tensor(routing)
+    slot_map = torch.tensor([3, 9, 0, 7, 1, 2, 8, 5], dtype=torch.int32)
+    sorted_experts, _ = torch.sort(top_k_index.reshape(-1), stable=True)
+    ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    host = gemm_blocks(slot_map[ids].tolist(), counts.tolist(), block_m=4).table
+    device = device_gemm_blocks(sorted_experts, slot_map, block_m=4).table
+    pairs = top_k_index.numel()
+    assert device.dtype == torch.int32 and device.shape == (pairs // 4 + min(pairs, 8), 3)
+    assert torch.equal(device[: len(host)], host)
+    assert device[len(host):, 2].eq(0).all()
 
 
 def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):

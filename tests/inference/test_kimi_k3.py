@@ -26,9 +26,9 @@ from transformers.models.kimi_linear import modeling_kimi_linear
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
+from inference.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.arch import tiny_config
 from packtools.build import build_bundle
-from packtools.models import OFFICIAL_CONFIG_LAYOUTS
 from packtools.synth.hf import synth_hf
 from packtools.tokenizer_synth import write_tokenizer
 

@@ -16,9 +16,9 @@ import torch
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
+from packformat.constants import SCALE_ROLE_OF, ElementType, Role
 from packtools.build import build_bundle, open_source
 from packtools.gguf.kimi_k3_tensors import a_log_from_gguf, a_log_to_gguf
-from packtools.pack.constants import SCALE_ROLE_OF, ElementType, Role
 from packtools.synth.compressed_tensors import ggml_blocks, synth_kimi_k3_mxfp4
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from inference.model import (
     initialize_non_persistent_buffers,
     load_model,
 )
+from packformat.bundle import open_bundle
 from packtools.arch.registry import tiny_config
-from packtools.bundle import open_bundle
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from packformat import ElementType, PackWriter, Role
+from packformat.bundle import open_bundle
 from packtools.arch.registry import tiny_config
-from packtools.bundle import open_bundle
-from packtools.pack import ElementType, PackWriter, Role
 from packtools.quants.codec import dequantize, quantize
 
 warnings.filterwarnings("ignore", message=".*fla.*|.*causal_conv1d.*|.*fast path.*")

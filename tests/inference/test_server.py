@@ -160,8 +160,8 @@ def test_openai_client_raises_its_own_error_types(client):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     assert missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "json_object"})
-    assert "response_format" in bad.value.message and bad.value.body["param"] == "response_format"
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format={"type": "yaml"})
+    assert "response_format" in bad.value.message and bad.value.body["param"] == "response_format.type"
 
 
 def test_unknown_routes_and_methods_are_json_errors(server):

@@ -183,8 +183,10 @@ ROWS = [
     refused("chat_template_kwargs a list", CHAT, chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     refused("add_generation_prompt a string", CHAT, chat(add_generation_prompt="no"), "add_generation_prompt"),
     # fields this server refuses, and fields of the wrong type
-    refused("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
-    refused("response_format json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    refused("tools for a template that renders none", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+            "tools", "does not render tools"),
+    refused("response_format an unknown schema type", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}), "response_format.json_schema.schema", "Invalid type"),
     refused("echo true", COMPLETIONS, completion(echo=True), "echo"),
     refused("best_of 2", COMPLETIONS, completion(best_of=2), "best_of"),
     refused("suffix", COMPLETIONS, completion(suffix="end"), "suffix"),

@@ -8,7 +8,9 @@ greedy here, so the sampling tests set top_k=0 to sample.
 
 from __future__ import annotations
 
+import json
 import signal
+import time
 from pathlib import Path
 
 import openai
@@ -285,10 +287,38 @@ def test_request_id_and_tags_reach_the_access_log(server, client):
     reply = chat(client, max_tokens=2, user="alice", safety_identifier="sid-9", metadata={"team": "infra"},
                  prompt_cache_key="conv-3", extra_body={"request_id": "req-42", "cache_salt": "s"})
     assert reply.id == "chatcmpl-req-42"
+    deadline = time.monotonic() + 30  # the line is written after the reply is sent, and read by another thread
+    while not any("chatcmpl-req-42" in line for line in access_lines(server.lines)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     line = next(line for line in access_lines(server.lines) if "chatcmpl-req-42" in line)
     for shown in ("user=alice", "safety_identifier=sid-9", 'metadata="{\\"team\\":\\"infra\\"}"',
                   "prompt_cache_key=conv-3", "prompt_tokens=", "completion_tokens=2"):
         assert shown in line, line
+
+
+@covers("response_format")
+def test_response_format_json_schema_on_both_endpoints(client):
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "grey"]}}, "required": ["sky"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    assert json.loads(chat(client, max_tokens=20, response_format=fmt).choices[0].message.content)["sky"] in (
+        "clear", "grey")
+    assert json.loads(complete(client, max_tokens=20, extra_body={"response_format": fmt}).choices[0].text)["sky"] in (
+        "clear", "grey")
+    assert chat(client, max_tokens=4, response_format={"type": "text"}).choices[0].message.content
+    # tests/inference/test_server_structured.py: 50 seeded schemas, streaming, json_object, refusals
+
+
+@covers("tools", "tool_choice", "parallel_tool_calls")
+def test_tools_forced_by_tool_choice_come_back_as_tool_calls(client):
+    tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {},
+                                                                               "additionalProperties": False}}}]
+    reply = chat(client, max_tokens=120, tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == [("clock", "{}")]
+    assert chat(client, max_tokens=4, tools=tools, tool_choice="none").choices[0].message.tool_calls is None
+    # tests/inference/test_server_tools.py: named functions, streaming deltas, auto, refusals;
+    # tests/inference/test_server_tool_formats.py: Qwen3's, DeepSeek's and Kimi's formats
 
 
 # --- refusals, coverage and the documented table ---------------------------------------------

@@ -102,9 +102,18 @@ def post(url: str, body) -> tuple[int, dict | str]:
     return request("POST", url, body if isinstance(body, bytes) else json.dumps(body).encode())
 
 
-# A Qwen3-like chat template: renders tool calls and tool results, reads enable_thinking and
+# A Qwen3-like chat template: renders tools, tool calls and tool results, reads enable_thinking and
 # reasoning_effort; what the server's field tests need a template to honour.
 RICH_CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a function as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
 {%- if reasoning_effort is defined %}<|im_start|>system
 Reasoning: {{ reasoning_effort }}<|im_end|>
 {% endif %}

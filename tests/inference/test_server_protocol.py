@@ -120,10 +120,12 @@ def test_completion_prompts(prompt, expected):
     ({"messages": USER, "stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
     ({"messages": USER, "stream": True, "stream_options": {"fast": True}}, "stream_options.fast"),
-    ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": USER, "parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objectx"}}}}, "response_format.json_schema.schema"),
     ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "n": 129}, "n"),
     ({"messages": USER, "top_p": True}, "top_p"),
@@ -190,7 +192,7 @@ def test_response_shapes_follow_openai():
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
                                                                                         "content": "hello"}
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    final = chat.finish_chunk(finished)
+    final = chat.finish_chunks(finished)[-1]
     assert final["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert final["usage"] is None
     assert chat.usage_chunk()["choices"] == [] and chat.usage_chunk()["usage"]["total_tokens"] == 5
@@ -237,5 +239,5 @@ def test_streamed_logprobs_are_sent_once_each():
     first = shape.text_chunk(TextDelta("ab", 0, entries[:2], 2))["choices"][0]["logprobs"]
     assert first["tokens"] == ["<10>", "<11>"] and first["text_offset"] == [0, 4]
     final = Finished("stop", "ab", Usage(1, 3), (10, 11, 2), 0.1, 0.1, logprobs=entries)
-    tail = shape.finish_chunk(final)["choices"][0]["logprobs"]
+    tail = shape.finish_chunks(final)[-1]["choices"][0]["logprobs"]
     assert tail["tokens"] == ["<2>"] and tail["text_offset"] == [8]  # only the EOS no delta carried

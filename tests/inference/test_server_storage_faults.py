@@ -26,8 +26,8 @@ from test_storaged_source_fixtures import (
 )
 
 from inference.server.errors import HIDDEN_PATH, public
-from packtools.bundle import open_bundle
-from packtools.pack import PackReader
+from packformat import PackReader
+from packformat.bundle import open_bundle
 from storaged.client import StorageClient
 
 MODEL = "faulty-moe"

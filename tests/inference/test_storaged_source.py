@@ -19,11 +19,12 @@ from test_storaged_source_fixtures import (
     cases_dir,  # noqa: F401  (the fixture)
 )
 
-from inference.config import ExpertSourceNotAvailableError, add_model_arguments, make_expert_source
+from inference.cli import add_model_arguments, model_config_from_args
+from inference.config import ExpertSourceNotAvailableError, ModelConfig, make_expert_source
 from inference.experts import LocalPackSource
 from inference.experts.storaged_source import ExpertCapacityError, StoragedBundleMismatchError, StoragedExpertSource
 from inference.model import load_model
-from packtools.bundle import open_bundle
+from packformat.bundle import open_bundle
 from storaged.client import NotFound
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -178,10 +179,10 @@ def test_attach_refuses_a_daemon_serving_another_bundle(qwen_case, impostor_daem
             moved.rename(served)
 
 
-def parse_model_args(*argv: str) -> argparse.Namespace:
+def parse_model_args(*argv: str) -> ModelConfig:
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
-    return parser.parse_args(list(argv))
+    return model_config_from_args(parser.parse_args(list(argv)))
 
 
 def test_make_expert_source_names_the_model_after_the_bundle_directory(qwen_case, daemon):

@@ -52,6 +52,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name storaged and inference export, from their real registries: the names the
+    rules and dashboards may use (storaged's come from its field table, storaged.stats_snapshot)."""
+    from inference.engine.metrics import EngineMetrics  # here: it imports torch, which most ops tests never need
+    from storaged.metrics import StoragedMetrics
+
+    names = set()
+    for registry in (StoragedMetrics().registry, EngineMetrics().registry):
+        for family in registry.collect():
+            names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
+    return names
+
+
 def unit_settings(path: Path) -> dict[str, dict[str, list[str]]]:
     """A unit file as {section: {key: [values in order]}} (keys may repeat, e.g. DeviceAllow)."""
     sections: dict[str, dict[str, list[str]]] = {}

@@ -9,21 +9,10 @@ import re
 import pytest
 import yaml
 
-from inference.engine.metrics import EngineMetrics
-from ops_testkit import DASHBOARDS, PROMETHEUS, RULE_TESTS, RULES, require_binary, run_tool
-from storaged.metrics import StoragedMetrics
+from ops_testkit import (DASHBOARDS, PROMETHEUS, RULE_TESTS, RULES, exported_metric_names, require_binary,
+                         run_tool)
 
-_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
 _METRIC_NAME = re.compile(r"\bexpertpack_[a-z_]+\b")
-
-
-def exported_metric_names() -> set[str]:
-    """Every series name storaged and inference export, from their real registries."""
-    names = set()
-    for registry in (StoragedMetrics().registry, EngineMetrics().registry):
-        for family in registry.collect():
-            names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
-    return names
 
 
 def alert_rules() -> list[dict]:

@@ -1,7 +1,7 @@
 """A made-up architecture, registered the way an architecture module registers a real one.
 
 "expertpack_fake_moe" is Qwen3-MoE under another model_type and another GGUF arch name: its
-transformers classes are registered with the Auto classes (as packtools.models registers
+transformers classes are registered with the Auto classes (as inference.models registers
 kimi_k3), and its record, a copy of qwen3_moe's, goes into packtools.arch.ARCHITECTURES for the
 duration of one test. The registry-parametrized tests (test_build, test_gguf_roundtrip,
 test_exactness) run their checks on it to show that a new architecture module is all they need.

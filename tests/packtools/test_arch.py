@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from packtools.arch import ARCHITECTURES, ExpertKey, UnknownArchitecture, config_from_dict, get_arch, tiny_config
-from packtools.pack.constants import Role
+from packformat.constants import Role
+from packtools.arch import ARCHITECTURES, ExpertKey, UnknownArchitectureError, config_from_dict, get_arch, tiny_config
 
 ARCHS = sorted(ARCHITECTURES)
 EXPERTS_MODULE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
@@ -118,12 +118,12 @@ def test_kimi_and_deepseek_v4_config_aliases():
 
 @pytest.mark.parametrize("bad", ["llama", "", None, "qwen3"])
 def test_unknown_architecture_is_typed_and_lists_known(bad):
-    with pytest.raises(UnknownArchitecture) as info:
+    with pytest.raises(UnknownArchitectureError) as info:
         get_arch(bad)
     assert repr(bad) in str(info.value) and "qwen3_moe" in str(info.value) and "gpt_oss" in str(info.value)
-    with pytest.raises(UnknownArchitecture):
+    with pytest.raises(UnknownArchitectureError):
         tiny_config(bad)
-    with pytest.raises(UnknownArchitecture):
+    with pytest.raises(UnknownArchitectureError):
         config_from_dict({"model_type": bad})
 
 

@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 import packtools.arch.models
-from packtools.arch import ARCHITECTURES, UnknownArchitecture, get_arch, get_architecture, tiny_config
+from packtools.arch import ARCHITECTURES, UnknownArchitectureError, get_arch, get_architecture, tiny_config
 from packtools.arch.routing import check_routing
 from packtools.gguf.archs import arch_for_gguf, arch_for_model_type
 from packtools.synth.gguf_models import default_layers
@@ -58,7 +58,7 @@ def test_a_registered_record_is_all_the_lookups_need(fake_arch):
 
 
 def test_an_unregistered_model_type_is_refused_by_name():
-    with pytest.raises(UnknownArchitecture, match="expertpack_fake_moe.*known architectures: deepseek_v2"):
+    with pytest.raises(UnknownArchitectureError, match="expertpack_fake_moe.*known architectures: deepseek_v2"):
         get_architecture("expertpack_fake_moe")
 
 

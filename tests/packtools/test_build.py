@@ -23,13 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from packformat.bundle import open_bundle
+from packformat.constants import ElementType, Role
 from packtools.arch import ARCHITECTURES, get_arch
 from packtools.build import build_bundle
-from packtools.bundle import open_bundle
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
 from packtools.inspect import validate
-from packtools.pack.constants import ElementType, Role
 from packtools.synth.gguf_cli import synth_gguf_model
 from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.hf import synth_hf

@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from packformat import PackReader
 from packtools.inspect import validate
-from packtools.pack import PackReader
 from packtools.synth.gguf_cli import synth_gguf_model
 from packtools.synth.hf import synth_hf
 
@@ -296,7 +296,7 @@ def test_interrupted_build_leaves_nothing(tmp_path, signum, code):
     assert not out.exists() and leftovers(tmp_path, "bundle") == []
 
 
-# ---- validate (pack corruption cases are in test_bundle.py) ----
+# ---- validate (pack corruption cases are in tests/packformat/test_bundle.py) ----
 def test_validate_without_full_does_not_read_objects(good):
     def bytes_read() -> int:
         return int(Path("/proc/self/io").read_text().split("rchar: ")[1].split()[0])

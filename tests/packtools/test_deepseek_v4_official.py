@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from packformat.constants import ElementType, Role
 from packtools.arch.errors import InconsistentExperts, MissingExpert
-from packtools.pack.constants import ElementType, Role
 from packtools.sources.deepseek_v4_official import DeepseekV4OfficialSource, is_official_layout
 from packtools.sources.dsv4_formats import DeepseekV4FormatError, dequantize_fp8_blocks
 from packtools.synth.deepseek_v4_official import official_config, synth_official

@@ -14,7 +14,8 @@ from transformers import AutoConfig
 
 from packtools.arch import config_from_dict
 from packtools.gguf.archs import arch_for_gguf
-from packtools.gguf.config_read import TensorFacts, hf_config_kwargs
+from packtools.gguf.config_parts import TensorFacts
+from packtools.gguf.config_read import hf_config_kwargs
 from packtools.gguf.deepseek4 import GGUF_ARCH_NAME, gguf_tensor_name
 from packtools.gguf.dense import meta_model_state
 from packtools.gguf.errors import TensorMappingError, UnknownArchitectureError

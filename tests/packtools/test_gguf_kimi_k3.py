@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+from packformat.constants import Role
 from packtools.gguf.errors import ExpertLayoutError, TensorMappingError, UnknownArchitectureError
 from packtools.gguf.kimi_k3_tensors import a_log_from_gguf, a_log_to_gguf
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import Role
 from packtools.synth.gguf_models import tiny_random_model
 from gguf_handmade import rewrite_gguf
 

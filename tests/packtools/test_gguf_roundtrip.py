@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from packformat.constants import ElementType, Role
 from packtools.arch import ARCHITECTURES, get_arch
 from packtools.gguf.expert_map import BIAS_ROLES, hf_expert_params, hf_expert_roles
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import ElementType, Role
 from packtools.quants import dequantize, quantize
 from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf

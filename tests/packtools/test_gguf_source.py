@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from packformat.constants import Role
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import Role
 from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from packformat.constants import ElementType, Role
 from packtools.gguf.errors import ExpertQuantizationError, MissingShardError
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
-from packtools.pack.constants import ElementType, Role
 from packtools.quants import random_blocks
 from packtools.synth.gguf_cli import synth_gguf_model
 from packtools.synth.gguf_models import random_expert_values, tiny_config_with, tiny_random_model

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from packtools.pack.constants import SELF_CONTAINED_TYPES
+from packformat.constants import SELF_CONTAINED_TYPES
 from packtools.quants import (
     QUANTIZABLE_TYPES,
     RANDOM_BLOCK_TYPES,

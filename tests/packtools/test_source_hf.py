@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from packtools.arch import ARCHITECTURES, UnknownArchitecture, get_arch
+from packformat.constants import ElementType, Role
+from packtools.arch import ARCHITECTURES, UnknownArchitectureError, get_arch
 from packtools.arch.errors import (
     HFCheckpointError,
     InconsistentExperts,
@@ -25,7 +26,6 @@ from packtools.arch.errors import (
     UnexpectedTensor,
     UnsupportedDtype,
 )
-from packtools.pack.constants import ElementType, Role
 from packtools.sources.hf import HFSource
 from packtools.synth.hf import synth_hf
 
@@ -278,7 +278,7 @@ def test_unknown_model_type_and_corrupt_header(synth_dirs, tmp_path):
     base = synth_dirs("qwen3_moe")
     config = json.loads((base / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(UnknownArchitecture, match="llama"):
+    with pytest.raises(UnknownArchitectureError, match="llama"):
         HFSource(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

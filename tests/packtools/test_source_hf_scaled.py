@@ -9,10 +9,10 @@ import torch
 from fp4_checkpoint import COMPRESSED_TENSORS, DEEPSEEK_V4, write_block_scaled_checkpoint
 from safetensors.torch import load_file, save_file
 
+from packformat.constants import ElementType, Role
 from packtools.arch import ARCHITECTURES
 from packtools.arch.errors import InconsistentExperts, MissingExpert, UnsupportedDtype
 from packtools.arch.spec import BlockScaledParts, ExpertKey
-from packtools.pack.constants import ElementType, Role
 from packtools.sources.hf import HFSource
 from packtools.synth.hf import synth_hf
 

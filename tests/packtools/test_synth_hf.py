@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from packtools.arch import ARCHITECTURES, UnknownArchitecture, get_arch, tiny_config
+from packtools.arch import ARCHITECTURES, UnknownArchitectureError, get_arch, tiny_config
 from packtools.synth.hf import expert_bytes, synth_hf
 
 ARCHS = sorted(ARCHITECTURES)
@@ -101,5 +101,5 @@ def test_synth_refuses_a_non_empty_directory(tmp_path):
 
 
 def test_synth_unknown_arch(tmp_path):
-    with pytest.raises(UnknownArchitecture, match="llama"):
+    with pytest.raises(UnknownArchitectureError, match="llama"):
         synth_hf("llama", tmp_path)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bad_input_config import EXIT_STARTUP, Row
-from packtools.pack import constants as C
+from packformat import constants as C
 
 Edit = Callable[[Path], None]
 

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from packtools.pack import PackReader
+from packformat import PackReader
 from reliability_kit import daemon_device, free_port, scale, scrape
 from storaged.client import DataLoss, StorageClient
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, start_daemon, write_bundle

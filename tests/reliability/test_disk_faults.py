@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from packtools.pack import PackReader
+from packformat import PackReader
 from reliability_kit import daemon_device, free_port, scrape
 from storaged.client import StorageClient, StorageError
 from storaged_testkit import SLOT_BYTES, TEST_EXPERTS, TEST_LAYERS, daemon_env, start_daemon

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from packtools.pack import ElementType, PackWriter, Role
+from packformat import ElementType, PackWriter, Role
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -34,7 +34,7 @@ TEST_ROLES = (  # (role, element type, shape)
 
 
 def role_nbytes(etype: ElementType, shape: tuple[int, ...]) -> int:
-    from packtools.pack.constants import tensor_nbytes
+    from packformat.constants import tensor_nbytes
     return tensor_nbytes(etype, shape)
 
 
@@ -51,7 +51,7 @@ def write_bundle(directory: Path, *, layers=TEST_LAYERS, experts=TEST_EXPERTS, s
                      for role, etype, shape in TEST_ROLES]
             writer.add_object(layer, expert, roles)
     header = writer.close()
-    from packtools.pack import PackReader
+    from packformat import PackReader
     with PackReader(directory / "experts.pack") as reader:
         for entry in reader:
             payloads[(entry.layer, entry.expert)] = reader.read_object(entry.layer, entry.expert)
@@ -75,7 +75,7 @@ def write_bundle(directory: Path, *, layers=TEST_LAYERS, experts=TEST_EXPERTS, s
 
 def corrupt_object(bundle: Path, layer: int, expert: int) -> None:
     """Flip one payload byte of an object (its index checksum no longer matches)."""
-    from packtools.pack import PackReader
+    from packformat import PackReader
     with PackReader(bundle / "experts.pack") as reader:
         offset = reader.entry(layer, expert).offset
     with open(bundle / "experts.pack", "r+b") as f:

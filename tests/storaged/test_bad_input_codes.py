@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from packtools.pack import PackReader
+from packformat import PackReader
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged.client import InvalidRequest, StorageClient, Unavailable
 from storaged_testkit import TEST_EXPERTS, start_daemon

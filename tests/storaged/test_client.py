@@ -12,8 +12,8 @@ import pytest
 
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged.client import (CapacityExhausted, ClientClosed, DataLoss, InvalidRequest, NotFound,
-                             SessionBusy, StorageClient, StorageError, Unavailable)
-from storaged.client.errors import from_rpc_error
+                             SessionBusy, StatusCode, StorageClient, StorageError, Unavailable)
+from storaged.client.errors import from_rpc_error, from_status
 from storaged.client.layout import arena_from_proto, layers_from_proto
 from storaged.device.descriptor import KIND_CUDA_IPC, KIND_MEMFD
 from storaged.device.errors import ArenaDescriptorError
@@ -46,15 +46,34 @@ class _FailedCall(grpc.RpcError):
 def test_status_codes_map_to_typed_errors_with_the_server_message(code, error):
     mapped = from_rpc_error(_FailedCall(code, "layer 9 has no routed experts"), "Acquire")
     assert type(mapped) is error
-    assert mapped.code == code and mapped.details == "layer 9 has no routed experts"
+    assert type(mapped.code) is StatusCode and mapped.code.name == code.name
+    assert mapped.details == "layer 9 has no routed experts"
     assert str(mapped) == f"Acquire: {code.name}: layer 9 has no routed experts"
+    # the data plane's ERROR frames carry the number; the same error comes out
+    from_plane = from_status(code.value[0], "layer 9 has no routed experts", "Acquire")
+    assert (type(from_plane), from_plane.code) == (error, mapped.code)
+
+
+def test_the_status_codes_are_grpcs_by_name_and_number():
+    assert {code.name: code.value for code in StatusCode} == {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+@pytest.mark.parametrize("number", [17, 99, -1])
+def test_a_status_number_grpc_does_not_define_is_unknown(number):
+    error = from_status(number, "what the frame said", "Acquire")
+    assert (type(error), error.code) == (StorageError, StatusCode.UNKNOWN)
+
+
+def test_a_client_error_refuses_a_grpc_status_code():
+    with pytest.raises(TypeError, match="StatusCode"):
+        NotFound(grpc.StatusCode.NOT_FOUND, "model 'x' is not served")
 
 
 def test_no_daemon_is_unavailable(tmp_path):
     with StorageClient(str(tmp_path / "nobody.sock"), timeout=5) as client:
         with pytest.raises(Unavailable) as info:
             client.info()
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert info.value.code == StatusCode.UNAVAILABLE
         with pytest.raises(Unavailable, match="not SERVING after 0.3s"):
             client.wait_until_serving(timeout=0.3)
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from storaged.cli import build_parser, config_from_args
+from storaged.cli import build_parser, config_from_args, flag_fields, flag_name
 from storaged.config import (DEFAULT_METRICS_ADDRESS, DEFAULT_SOCKET, ConfigError, StoragedConfig,
                              load_config, parse_size)
 
@@ -177,3 +178,61 @@ def test_missing_file(tmp_path):
 def test_model_flag_must_be_name_equals_dir():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "nodir"])
+
+
+# The flags storaged has always had; a config field with a Flag adds one, never renames these.
+_FLAGS = {"--socket", "--vram-cache-bytes", "--host-cache-bytes", "--staging-buffers", "--io-parallelism",
+          "--direct-io", "--verify-checksums", "--verify-hits", "--metrics-address", "--device",
+          "--shutdown-grace-seconds", "--fence-timeout-seconds", "--max-ids-per-acquire",
+          "--session-idle-seconds", "--max-sessions-per-peer"}
+
+
+def test_the_flags_are_the_config_fields():
+    options = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    generated = {flag_name(field) for field, _, _ in flag_fields()}
+    assert _FLAGS <= generated and generated <= options
+    assert options - generated == {"--help", "--version", "--config", "--model"} | {
+        "--no-" + name.removeprefix("--") for name in ("--direct-io", "--verify-checksums")}
+    # the fields that are no flag: models has --model, the peer allow-lists are TOML only
+    assert {f.name for f in dataclasses.fields(StoragedConfig)} - {f.name for f, _, _ in flag_fields()} == {
+        "models", "allowed_uids", "allowed_gids"}
+
+
+def _every_flag(tmp_path) -> tuple[list[str], dict]:
+    """A command line setting every generated flag to a value other than its default, and the values."""
+    given = {"socket": (str(tmp_path / "a.sock"), tmp_path / "a.sock"), "vram_cache_bytes": ("3MiB", 3 << 20),
+             "host_cache_bytes": ("1KiB", 1024), "staging_buffers": ("3", 3), "io_parallelism": ("5", 5),
+             "direct_io": (None, False), "verify_checksums": (None, True), "verify_hits": ("0.25", 0.25),
+             "metrics_address": ("127.0.0.1:9999", "127.0.0.1:9999"), "device": ("cuda:2", "cuda:2"),
+             "shutdown_grace_seconds": ("1.5", 1.5), "fence_timeout_seconds": ("0.5", 0.5),
+             "max_ids_per_acquire": ("7", 7), "session_idle_seconds": ("9", 9.0), "max_sessions_per_peer": ("3", 3)}
+    argv = ["--model", "m=/x", "--no-direct-io", "--verify-checksums"]
+    for name, (text, _) in given.items():
+        if text is not None:
+            argv += ["--" + name.replace("_", "-"), text]
+    return argv, {name: value for name, (_, value) in given.items()}
+
+
+def test_every_flag_sets_its_field(tmp_path):
+    argv, expected = _every_flag(tmp_path)
+    assert set(expected) == {f.name for f, _, _ in flag_fields()}, "a flag this test does not set"
+    config = config_from_args(build_parser().parse_args(argv))
+    assert {name: getattr(config, name) for name in expected} == expected
+
+
+def test_flags_left_out_keep_the_files_values(tmp_path):
+    toml = _write(tmp_path / "s.toml", "vram_cache_bytes = 1\nio_parallelism = 6\ndirect_io = false\n"
+                  "[models]\nm = '/x'\n")
+    config = config_from_args(build_parser().parse_args(["--config", str(toml)]))
+    assert (config.io_parallelism, config.direct_io, config.staging_buffers) == (6, False, 8)
+
+
+@pytest.mark.parametrize("argv", [["--io-parallelism", "two"], ["--verify-hits", "lots"], ["--direct-io", "x"]])
+def test_a_flag_value_of_the_wrong_type_is_refused(argv):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m=/x", *argv])
+
+
+def test_the_help_names_each_flags_default():
+    text = build_parser().format_help()
+    assert "(default 1024)" in text and "(default 127.0.0.1:9464)" in text

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packtools.pack import ElementType, ObjectChecksumError, PackReader, PackWriter, Role
+from packformat import ElementType, ObjectChecksumError, PackReader, PackWriter, Role
 from storaged.io import (AlignedBuffer, BufferAlignmentError, BufferTooSmallError, DirectIOUnsupported,
                          DirectPackFile, ExecutorClosedError, HostMemory, ObjectReadError, PriorityDispatch,
                          ReadExecutor, ReadPriority, UnknownPackError)
@@ -266,7 +266,7 @@ def test_async_reads_record_metrics_and_failures(pack_path, reader):
             return good, bad
 
     good, bad = asyncio.run(scenario())
-    figures = metrics.snapshot()
+    figures = metrics.snapshot().series()
     assert figures["read_bytes_total"] == good.padded_size + bad.padded_size
     assert figures["read_seconds_count"] == 2 and figures["checksum_failures_total"] == 1
     assert figures["io_errors_total"] == 0

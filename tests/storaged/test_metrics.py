@@ -1,4 +1,5 @@
-"""StoragedMetrics: names, private registry, snapshot figures, the HTTP endpoint."""
+"""StoragedMetrics: names, private registry, snapshot figures, the HTTP endpoint (the field table
+itself and the Stats reply: test_stats_snapshot.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import prometheus_client
 import pytest
 
 from storaged.metrics import (ACQUIRE_SECONDS_BUCKETS, PREFIX, READ_SECONDS_BUCKETS, StoragedMetrics,
-                              UnknownTierError)
+                              UnknownFigureError, UnknownLabelError, WrongKindError)
 
 EXPECTED_FAMILIES = {
     "hits_total", "misses_total", "evictions_total", "read_bytes_total", "h2d_bytes_total", "read_seconds",
@@ -17,6 +18,7 @@ EXPECTED_FAMILIES = {
     "d2h_bytes_total", "fence_waits_total", "fence_wait_seconds_total", "fence_revocations_total",
     "dataplane_requests_total", "hits_verified_total", "hit_mismatches_total",
     "sessions_idle_closed_total", "sessions_refused_total",
+    "coalesced_total", "capacity_slots", "pins", "capacity_exhausted_total", "loads_in_flight",
 }
 
 
@@ -25,7 +27,7 @@ def test_metric_names_are_prefixed_and_complete():
     exposed = prometheus_client.generate_latest(metrics.registry).decode()
     types = {line.split()[2]: line.split()[3] for line in exposed.splitlines() if line.startswith("# TYPE")}
     assert all(name.startswith(PREFIX) for name in types)
-    assert {name.removeprefix(PREFIX) for name in types if not name.endswith("_created")} == EXPECTED_FAMILIES
+    assert {name.removeprefix(PREFIX) for name in types} == EXPECTED_FAMILIES
     assert all(types[PREFIX + name] == "counter" for name in EXPECTED_FAMILIES if name.endswith("_total"))
     assert types[PREFIX + "read_seconds"] == "histogram" and types[PREFIX + "sessions"] == "gauge"
     for tier in ("vram", "host"):  # labelled series exist before anything happens
@@ -40,30 +42,32 @@ def test_buckets_cover_the_latency_ranges():
 
 def test_snapshot_reports_what_was_recorded():
     metrics = StoragedMetrics()
-    metrics.record_hit("vram", 3)
-    metrics.record_hit("host")
-    metrics.record_miss("vram", 2)
-    metrics.record_eviction("host", 4)
+    metrics.add("hits_total", 3, label="vram")
+    metrics.add("hits_total", label="host")
+    metrics.set("misses_total", 2, label="vram")
+    metrics.add("evictions_total", 4, label="host")
     metrics.observe_read(8192, 0.002)
     metrics.observe_read(4096, 0.001)
     metrics.record_h2d(12288)
     metrics.observe_acquire(5e-5)
-    metrics.set_resident("vram", 7, 7 * 8192)
+    metrics.set("resident_experts", 7, label="vram")
+    metrics.set("resident_bytes", 7 * 8192, label="vram")
     metrics.record_io_error()
     metrics.record_checksum_failure()
-    metrics.record_prefetch(issued=5, used=3, wasted=1)
-    metrics.set_sessions(2)
+    metrics.set("prefetch_issued_total", 5)
+    metrics.set("sessions", 2)
     metrics.record_hit_verified(mismatch=False)
     metrics.record_hit_verified(mismatch=True)
-    figures = metrics.snapshot()
+    metrics.record_dataplane_request("acquire")
+    figures = metrics.snapshot().series()
     expected = {
         "hits_total{tier=vram}": 3, "hits_total{tier=host}": 1, "misses_total{tier=vram}": 2,
         "misses_total{tier=host}": 0, "evictions_total{tier=host}": 4, "read_bytes_total": 12288,
         "read_seconds_count": 2, "h2d_bytes_total": 12288, "acquire_seconds_count": 1,
         "resident_experts{tier=vram}": 7, "resident_bytes{tier=vram}": 57344, "resident_bytes{tier=host}": 0,
         "io_errors_total": 1, "checksum_failures_total": 1, "prefetch_issued_total": 5,
-        "prefetch_used_total": 3, "prefetch_wasted_total": 1, "sessions": 2,
-        "hits_verified_total": 2, "hit_mismatches_total": 1,
+        "prefetch_used_total": 0, "sessions": 2, "hits_verified_total": 2, "hit_mismatches_total": 1,
+        "dataplane_requests_total{kind=acquire}": 1,
     }
     assert {k: figures[k] for k in expected} == expected
     assert figures["read_seconds_sum"] == pytest.approx(0.003)
@@ -71,19 +75,53 @@ def test_snapshot_reports_what_was_recorded():
     assert not any(k.endswith(("_created", "_bucket")) for k in figures)
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.record_hit("disk"), lambda m: m.record_miss("VRAM"), lambda m: m.record_eviction(""),
-    lambda m: m.set_resident("gpu", 1, 1),
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    metrics = StoragedMetrics()
+    for seconds in (1e-4, 1e-4, 3e-4, 2.0):  # on a bound counts in that bucket; 2 s only in +Inf
+        metrics.observe("read_seconds", seconds)
+    histogram = metrics.snapshot()["read_seconds"]
+    buckets = dict(histogram.buckets)
+    assert (buckets[1e-4], buckets[2.5e-4], buckets[5e-4], buckets[1.0], buckets[float("inf")]) == (2, 2, 3, 3, 4)
+    assert histogram.count == 4 and histogram.sum == pytest.approx(2.0005)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda m: m.add("hits_total", label="disk"), UnknownLabelError),
+    (lambda m: m.add("misses_total", label="VRAM"), UnknownLabelError),
+    (lambda m: m.add("evictions_total", label=""), UnknownLabelError),
+    (lambda m: m.set("resident_experts", 1, label="gpu"), UnknownLabelError),
+    (lambda m: m.add("hits_total"), UnknownLabelError),  # a labelled figure without its label
+    (lambda m: m.add("io_errors_total", label="vram"), UnknownLabelError),
+    (lambda m: m.set_tier_names(("vram", "disk")), UnknownLabelError),
+    (lambda m: m.add("no_such_total"), UnknownFigureError),
+    (lambda m: m.observe("no_such_seconds", 1.0), UnknownFigureError),
+    (lambda m: m.add("sessions"), WrongKindError),  # a gauge
+    (lambda m: m.set("read_seconds", 1.0), WrongKindError),  # a histogram
+    (lambda m: m.observe("read_bytes_total", 1.0), WrongKindError),
+    (lambda m: m.add("io_errors_total", -1), ValueError),  # counters only go up
+    (lambda m: (m.set("prefetch_used_total", 5), m.set("prefetch_used_total", 4)), ValueError),
 ])
-def test_unknown_tiers_are_refused(call):
-    with pytest.raises(UnknownTierError):
-        call(StoragedMetrics())
+def test_bad_recordings_are_refused(call, error):
+    metrics = StoragedMetrics()
+    with pytest.raises(error):
+        call(metrics)
+
+
+def test_a_refused_recording_changes_nothing():
+    metrics = StoragedMetrics()
+    metrics.set("prefetch_used_total", 5)
+    before = metrics.snapshot().series()
+    for call in (lambda: metrics.set("prefetch_used_total", 4), lambda: metrics.add("hits_total", label="disk"),
+                 lambda: metrics.add("io_errors_total", -1)):
+        with pytest.raises(ValueError):
+            call()
+    assert metrics.snapshot().series() == before
 
 
 def test_instances_do_not_share_a_registry():
     first, second = StoragedMetrics(), StoragedMetrics()
-    first.record_hit("vram")
-    assert second.snapshot()["hits_total{tier=vram}"] == 0
+    first.add("hits_total", label="vram")
+    assert first.snapshot()["hits_total"]["vram"] == 1 and second.snapshot()["hits_total"]["vram"] == 0
     assert prometheus_client.REGISTRY.get_sample_value(PREFIX + "hits_total", {"tier": "vram"}) is None
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from storaged.policy import (AcquirePlanner, CapacityExhausted, DuplicateExpert, EntryState,
-                             ExpertKey, InvalidExpert, InvalidLayer, ModelLayout,
-                             PolicyStateError, SlotCache, Source, TooManyExperts, UnknownModel)
+from storaged.policy import (AcquirePlanner, DuplicateExpert, EntryState, ExpertKey, InvalidExpert, InvalidLayer,
+                             ModelLayout, PolicyStateError, SlotCache, SlotsExhausted, Source, TooManyExperts,
+                             UnknownModel)
 
 MODEL = 0
 LAYOUTS = {
@@ -114,7 +114,7 @@ def test_capacity_exhausted_rolls_back_everything():
     acquire_loaded(p, "a", 0, [0, 1])
     acquire_loaded(p, "b", 1, [0])
     before = state_of(p)
-    with pytest.raises(CapacityExhausted, match=r"vram tier: 2 slot\(s\) needed but only 1"):
+    with pytest.raises(SlotsExhausted, match=r"vram tier: 2 slot\(s\) needed but only 1"):
         p.acquire("a", MODEL, 0, [0, 2, 3])  # 0 stays a hit; 2 and 3 need slots; 1 is freed
     assert state_of(p) == before
     assert p.acquire("a", MODEL, 0, [0, 2]).evictions[0].key == key(1)
@@ -126,7 +126,7 @@ def test_hits_of_the_same_request_are_pinned_before_any_victim_is_chosen():
     for _ in range(3):
         acquire_loaded(p, "a", 0, [1])  # 1 hot, 0 cold and unpinned
     p.release("a")
-    with pytest.raises(CapacityExhausted):
+    with pytest.raises(SlotsExhausted):
         p.acquire("b", MODEL, 0, [2, 0, 1])  # both victims are requested hits
     plan = p.acquire("b", MODEL, 0, [2, 0])  # the cold 0 is listed after the miss
     assert [step.source for step in plan.steps] == [Source.PACK, Source.READY]

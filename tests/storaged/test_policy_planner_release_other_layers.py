@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from storaged.policy import (AcquirePlanner, CapacityExhausted, EntryState, ExpertKey, ModelLayout,
-                             SlotCache, Source)
+from storaged.policy import (AcquirePlanner, EntryState, ExpertKey, ModelLayout, SlotCache, SlotsExhausted,
+                             Source)
 
 MODEL, OTHER_MODEL = 0, 5
 LAYOUTS = {
@@ -54,7 +54,7 @@ def test_without_the_flag_the_other_layers_pins_exhaust_the_cache():
     p = planner(vram_slots=2)
     acquire_loaded(p, "a", 0, [0, 1])
     before = state_of(p)
-    with pytest.raises(CapacityExhausted, match="model 0 layer 1"):
+    with pytest.raises(SlotsExhausted, match="model 0 layer 1"):
         p.acquire("a", MODEL, 1, [0, 1])
     assert state_of(p) == before
 
@@ -98,7 +98,7 @@ def test_capacity_counts_exactly_the_pins_this_request_drops(name, vram_slots, s
         p.acquire("a", MODEL, 1, wanted, release_other_layers=True)
         assert set(p.held("a")) == {(MODEL, 1)}, name
         return
-    with pytest.raises(CapacityExhausted):
+    with pytest.raises(SlotsExhausted):
         p.acquire("a", MODEL, 1, wanted, release_other_layers=True)
     assert state_of(p) == before, f"{name}: a refused Acquire changed the state"
 
@@ -108,9 +108,9 @@ def test_capacity_exhausted_keeps_the_other_layers_pins_and_host_tier():
     acquire_loaded(p, "a", 0, [0, 1])
     acquire_loaded(p, "b", 2, [0])
     before = state_of(p)
-    with pytest.raises(CapacityExhausted, match=r"2 slot\(s\) needed but only 1"):
+    with pytest.raises(SlotsExhausted, match=r"2 slot\(s\) needed but only 1"):
         p.acquire("a", MODEL, 0, [0, 2, 3], release_other_layers=True)  # b's pin is not ours
-    with pytest.raises(CapacityExhausted, match=r"4 slot\(s\) needed but only 2"):
+    with pytest.raises(SlotsExhausted, match=r"4 slot\(s\) needed but only 2"):
         p.acquire("a", MODEL, 1, [0, 1, 2, 3], release_other_layers=True)
     assert state_of(p) == before
     assert p.held("a") == {(MODEL, 0): (key(0), key(1))}
@@ -120,7 +120,7 @@ def test_a_loading_pin_on_another_layer_is_dropped_but_not_evicted():
     p = planner(vram_slots=1)
     (step,) = p.acquire("a", MODEL, 0, [4]).loads  # still LOADING: not a victim until complete
     before = state_of(p)
-    with pytest.raises(CapacityExhausted):
+    with pytest.raises(SlotsExhausted):
         p.acquire("a", MODEL, 1, [4], release_other_layers=True)
     assert state_of(p) == before
     p.complete(step.key)

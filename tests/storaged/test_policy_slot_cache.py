@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from storaged.policy import (CapacityExhausted, EntryState, ExpertKey, PolicyStateError,
-                             SlotCache)
+from storaged.policy import EntryState, ExpertKey, PolicyStateError, SlotCache, SlotsExhausted
 from storaged.policy.decay import REBASE_AFTER_HALF_LIVES, DecayClock, log2_add
 
 
@@ -76,7 +75,7 @@ def test_pinned_and_loading_entries_are_never_evicted():
     for _ in range(5):  # make 2 the hottest entry so it would be the last choice
         cache.lookup(key(2))
     assert cache.reserve(key(4)).evicted == key(2)  # the only unpinned READY entry
-    with pytest.raises(CapacityExhausted, match="vram tier: 1 slot"):
+    with pytest.raises(SlotsExhausted, match="vram tier: 1 slot"):
         cache.reserve(key(5))
     cache.unpin(key(1))
     assert cache.reserve(key(5)).evicted == key(1)
@@ -87,7 +86,7 @@ def test_capacity_exhausted_changes_nothing():
     cache.reserve(key(1))
     before = (list(cache.views()), cache.clock, cache.counters)
     assert cache.try_reserve(key(2)) is None
-    with pytest.raises(CapacityExhausted):
+    with pytest.raises(SlotsExhausted):
         cache.reserve(key(2))
     assert (list(cache.views()), cache.clock, cache.counters) == before
 

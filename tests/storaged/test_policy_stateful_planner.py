@@ -2,7 +2,7 @@
 protocol. The shadow is built only from the plans the planner returned; after every step the
 caches must agree with it: budgets respected, one key per slot, hits on the right slot, no
 pinned or LOADING entry evicted, pins equal to the sessions holding them, single flight, and a
-CapacityExhausted that changed nothing (also when the Acquire would have released the session's
+SlotsExhausted that changed nothing (also when the Acquire would have released the session's
 pins on the other layers).
 """
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from storaged.policy import (AcquirePlanner, CapacityExhausted, EntryState, ExpertKey,
-                             ModelLayout, SlotCache, Source)
+from storaged.policy import (AcquirePlanner, EntryState, ExpertKey, ModelLayout, SlotCache, SlotsExhausted,
+                             Source)
 
 MODEL = 0
 LAYERS = 3
@@ -81,8 +81,8 @@ class PlannerMachine(RuleBasedStateMachine):
         try:
             plan = self.planner.acquire(session, MODEL, layer, experts,
                                         release_other_layers=release_other_layers)
-        except CapacityExhausted:
-            assert self.snapshot() == before, "CapacityExhausted changed the state"
+        except SlotsExhausted:
+            assert self.snapshot() == before, "SlotsExhausted changed the state"
             return
         assert [step.key.expert for step in plan.steps] == experts
         for step in plan.steps:  # sources follow from the state before the call

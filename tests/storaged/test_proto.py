@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from packtools.pack import Role
+from packformat import Role
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged_testkit import PYTHON, REPO
 
@@ -43,6 +43,8 @@ def _documented_elements(proto):
             if not oneof.name.startswith("_"):  # proto3 `optional` makes a synthetic oneof
                 yield (*path, 8, i), f"{name}.{oneof.name}"
         for i, nested in enumerate(msg.nested_type):
+            if nested.options.map_entry:  # protoc's entry type of a map field, documented by that field
+                continue
             yield from message((*path, 3, i), nested, f"{name}.{nested.name}")
         for i, enum in enumerate(msg.enum_type):
             yield from enum_((*path, 4, i), enum, f"{name}.{enum.name}")

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from packtools.pack import Role
+from packformat import Role
 from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
-from storaged.client import (CapacityExhausted, DataLoss, InvalidRequest, NotFound,
+from storaged.client import (CapacityExhausted, DataLoss, InvalidRequest, NotFound, StatusCode,
                              StorageClient)
 from storaged_testkit import (PYTHON, REPO, SLOT_BYTES, TEST_EXPERTS, TEST_LAYERS, corrupt_object,
                                      daemon_env, start_daemon, write_bundle)
@@ -82,7 +82,7 @@ def test_info(client):
 
 
 def test_attach_layout_matches_pack(client, served):
-    from packtools.pack import PackReader
+    from packformat import PackReader
     with client.attach("tiny") as session, PackReader(served[0].socket.parent / "bundle" / "experts.pack") as pack:
         assert sorted(session.layers) == list(TEST_LAYERS)
         assert session.slot_size == SLOT_BYTES and session.slot_count == SLOT_COUNT
@@ -138,7 +138,7 @@ def test_bad_acquire_gets_invalid_argument(client, layer, experts, error, needle
     with client.attach("tiny") as session:
         with pytest.raises(error, match=needle) as info:
             session.acquire(layer, experts)
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code == StatusCode.INVALID_ARGUMENT
         assert session.acquire(1, [1]) == session.acquire(1, [1])  # a new stream serves the session
 
 
@@ -181,7 +181,7 @@ def test_pinned_demand_beyond_capacity_is_resource_exhausted(client):
         holder.acquire(1, list(range(TEST_EXPERTS)))  # 8 of the 10 slots pinned
         with pytest.raises(CapacityExhausted) as info:
             other.acquire(2, [0, 1, 2])
-        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
         assert other.acquire(2, [0, 1])  # what fits is still served
         assert client.stats().capacity_exhausted >= 1
 

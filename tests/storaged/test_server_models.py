@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from packtools.pack import ElementType, PackWriter, Role
+from packformat import ElementType, PackWriter, Role
 from storaged.client.layout import layers_from_proto
 from storaged.server import convert
-from storaged.server.models import ModelLoadError, open_models
+from storaged.server.models import ModelOpenError, open_models
 from storaged_testkit import TEST_LAYERS, write_bundle
 
 GATE = (Role.GATE, ElementType.Q8_0, (32, 64))
@@ -23,7 +23,7 @@ def _mixed_bundle(path):
     """Layer 5 x 4 experts; expert 2's down projection is Q8_0 where the others are F16."""
     path.mkdir()
     writer = PackWriter(path / "experts.pack", [5], 4, 3)
-    from packtools.pack.constants import tensor_nbytes
+    from packformat.constants import tensor_nbytes
     for expert in range(4):
         roles = (GATE, UP, DOWN_Q8 if expert == 2 else DOWN_F16)
         writer.add_object(5, expert, [(r, t, s, bytes(tensor_nbytes(t, s))) for r, t, s in roles])
@@ -80,5 +80,5 @@ def test_model_ids_follow_configuration_order(tmp_path):
 
 def test_a_bad_bundle_names_the_model_and_closes_the_others(tmp_path):
     write_bundle(tmp_path / "good")
-    with pytest.raises(ModelLoadError, match=r"model 'broken': .*missing: not a bundle directory"):
+    with pytest.raises(ModelOpenError, match=r"model 'broken': .*missing: not a bundle directory"):
         open_models({"good": tmp_path / "good", "broken": tmp_path / "missing"})

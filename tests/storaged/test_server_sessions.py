@@ -19,7 +19,7 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.client import CapacityExhausted, StorageClient
 from storaged.server.models import ServedModel
-from storaged.server.sessions import SessionBusy, SessionNotFound, SessionRegistry, TooManySessions
+from storaged.server.sessions import SessionNotFound, SessionRegistry, StreamAlreadyOpen, TooManySessions
 from storaged.wire.session import SESSION_METADATA_KEY
 from storaged_testkit import PYTHON, REPO, daemon_env, start_daemon
 
@@ -93,7 +93,7 @@ def test_second_stream_is_refused():
     sessions, _ = registry()
     session = sessions.open(MODEL)
     sessions.bind_stream(session.id)
-    with pytest.raises(SessionBusy):
+    with pytest.raises(StreamAlreadyOpen):
         sessions.bind_stream(session.id)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gguf
 from transformers import PretrainedConfig
 
+from packformat.constants import Role
 from packtools.arch.parts import every_layer
 from packtools.arch.record import Architecture
 from packtools.arch.spec import ArchSpec, FusedPart
@@ -13,7 +14,6 @@ from packtools.arch.tiny import TinySize
 from packtools.gguf.config_parts import ATTN, LLM, TensorFacts, head_dim_or_default, refuse, write_head_dim
 from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
 from packtools.gguf.metadata import Metadata
-from packtools.pack.constants import Role
 from packtools.sources.base import ExpertLayout
 
 # object role order shared with the GGUF source (packtools.gguf.expert_map.ROLE_ORDER):

@@ -1,5 +1,5 @@
-"""Kimi-K3 (packtools.models.kimi_k3, registered with transformers by packtools.arch.registry's
-import of packtools.models): Kimi-Linear's layers with latent routed experts (at
+"""Kimi-K3 (inference.models.kimi_k3, registered with transformers by packtools.arch.registry's
+import of inference.models): Kimi-Linear's layers with latent routed experts (at
 routed_expert_hidden_size), SiTU activation and cross-layer residuals. The official checkpoint
 nests the text model under "language_model." with a multimodal config.json wrapper, and ships its
 routed experts as compressed-tensors "mxfp4-pack-quantized". gguf-py 0.19 has no kimi-k3 arch:
@@ -12,6 +12,7 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
+from packformat.constants import Role
 from packtools.arch.group_routing import top2_group_score
 from packtools.arch.models.kimi_linear import kimi_sparse_layers, tiny_kimi_moe
 from packtools.arch.parts import SWIGLU_FUSED, SWIGLU_LAYOUT, W_PROJ
@@ -21,7 +22,6 @@ from packtools.arch.tiny import NUM_ATTENTION_HEADS, TinySize, mla_attention
 from packtools.gguf import kimi_k3 as gguf_kimi_k3
 from packtools.gguf import kimi_k3_tensors
 from packtools.gguf.gguf_arch import GGUFArch
-from packtools.pack.constants import Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ ARCHITECTURE = Architecture(
         checkpoint_prefixes=("language_model.model.", "model.", ""),
         # Moonshot's release: compressed-tensors "mxfp4-pack-quantized" routed experts
         block_scaled=BlockScaledParts("weight_packed", "weight_scale"),
-        notes="packtools.models.kimi_k3; experts at routed_expert_hidden_size (latent), SiTU activation; "
+        notes="inference.models.kimi_k3; experts at routed_expert_hidden_size (latent), SiTU activation; "
               "official checkpoint under language_model. with a multimodal config.json wrapper",
     ),
     tiny=_tiny,

@@ -296,7 +296,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads", "demotions", "d2h_bytes", "fence_waits", "fence_revocations", "hits_verified", "hit_mismatches")
+    __slots__ = ("tiers", "bytes_read", "h2d_bytes", "io_errors", "checksum_failures", "prefetch_issued", "prefetch_used", "prefetch_wasted", "sessions", "pins", "acquires", "capacity_exhausted", "acquire_latency_mean_us", "read_latency_mean_us", "loads_in_flight", "reads", "demotions", "d2h_bytes", "fence_waits", "fence_revocations", "hits_verified", "hit_mismatches", "figures")
+    class FiguresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +326,7 @@ class StatsResponse(_message.Message):
     FENCE_REVOCATIONS_FIELD_NUMBER: _ClassVar[int]
     HITS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     HIT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     bytes_read: int
     h2d_bytes: int
@@ -341,7 +349,8 @@ class StatsResponse(_message.Message):
     fence_revocations: int
     hits_verified: int
     hit_mismatches: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ..., demotions: _Optional[int] = ..., d2h_bytes: _Optional[int] = ..., fence_waits: _Optional[int] = ..., fence_revocations: _Optional[int] = ..., hits_verified: _Optional[int] = ..., hit_mismatches: _Optional[int] = ...) -> None: ...
+    figures: _containers.ScalarMap[str, float]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., h2d_bytes: _Optional[int] = ..., io_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., sessions: _Optional[int] = ..., pins: _Optional[int] = ..., acquires: _Optional[int] = ..., capacity_exhausted: _Optional[int] = ..., acquire_latency_mean_us: _Optional[float] = ..., read_latency_mean_us: _Optional[float] = ..., loads_in_flight: _Optional[int] = ..., reads: _Optional[int] = ..., demotions: _Optional[int] = ..., d2h_bytes: _Optional[int] = ..., fence_waits: _Optional[int] = ..., fence_revocations: _Optional[int] = ..., hits_verified: _Optional[int] = ..., hit_mismatches: _Optional[int] = ..., figures: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "hits", "misses", "evictions", "resident_experts", "resident_bytes", "capacity_slots", "coalesced")

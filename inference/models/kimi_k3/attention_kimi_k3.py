@@ -22,8 +22,8 @@ from transformers.cache_utils import Cache
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
-from packtools.models.kimi_k3.transformers_compat import linear_attention_states
+from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from inference.models.kimi_k3.transformers_compat import linear_attention_states
 
 KDA_CONV_ACTIVATION = "silu"  # fixed in K3 (hidden_act is "situ", which only the MLPs use)
 

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.integrations import use_experts_implementation
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNorm, KimiLinearTopkRouter
 
-from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
 
 
 class KimiK3SituGate(nn.Module):

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from inference.models.kimi_k3.attention_kimi_k3 import KimiK3DeltaAttention, KimiK3MLAAttention
+from inference.models.kimi_k3.modeling_kimi_k3 import mix_attention_residuals
+from inference.models.kimi_k3.moe_kimi_k3 import KimiK3SparseMoeBlock
 from packtools.arch import tiny_config
-from packtools.models.kimi_k3.attention_kimi_k3 import KimiK3DeltaAttention, KimiK3MLAAttention
-from packtools.models.kimi_k3.modeling_kimi_k3 import mix_attention_residuals
-from packtools.models.kimi_k3.moe_kimi_k3 import KimiK3SparseMoeBlock
 
 EPS = 1e-6  # tiny_config("kimi_k3") rms_norm_eps, and Moonshot's MLA/KDA l2 epsilon
 TOKENS = 7

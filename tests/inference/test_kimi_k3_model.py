@@ -1,4 +1,4 @@
-"""packtools.models.kimi_k3: config, forward/generate, the official checkpoint layout.
+"""inference.models.kimi_k3: config, forward/generate, the official checkpoint layout.
 
 The K3-specific formulas are pinned in test_kimi_k3_formulas.py against llama.cpp's graph
 (src/models/kimi-k3.cpp) written out independently.
@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from inference.models import OFFICIAL_CONFIG_LAYOUTS
+from inference.models.kimi_k3 import KimiK3Config, KimiK3ForCausalLM, official_config_dict
+from inference.models.kimi_k3.transformers_compat import cache_of, linear_attention_states
 from packtools.arch import config_from_dict, get_arch, tiny_config
-from packtools.models import OFFICIAL_CONFIG_LAYOUTS
-from packtools.models.kimi_k3 import KimiK3Config, KimiK3ForCausalLM, official_config_dict
-from packtools.models.kimi_k3.transformers_compat import cache_of, linear_attention_states
 
 TEXT_KEYS = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
              "intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_token": 2,

@@ -10,13 +10,13 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
-from packtools.models.kimi_k3.checkpoint_kimi_k3 import (
+from inference.models.kimi_k3.checkpoint_kimi_k3 import (
     CHECKPOINT_PREFIX,
     checkpoint_conversion_mapping,
     official_config_dict,
 )
-from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
-from packtools.models.kimi_k3.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
+from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from inference.models.kimi_k3.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
 
 MODEL_TYPE = KimiK3Config.model_type
 

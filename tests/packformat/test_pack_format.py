@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from packtools.pack import (
+from packformat import (
     ElementType,
     ObjectChecksumError,
     PackFormatError,
@@ -19,7 +19,7 @@ from packtools.pack import (
     PackWriterError,
     Role,
 )
-from packtools.pack import constants as C
+from packformat import constants as C
 
 LAYERS = (1, 3)
 EXPERTS = 4

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from packtools.pack import PackError, PackReader
+from packformat import PackError, PackReader
 
 FORMAT_NAME = "expertpack-bundle"
 FORMAT_VERSION = 1

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from packformat import PackReader
+from packformat.bundle import BundleError, BundleExistsError, open_bundle, staged_bundle
 from packtools.build import build_bundle
-from packtools.bundle import BundleError, BundleExistsError, open_bundle, staged_bundle
-from packtools.pack import PackReader
 from packtools.synth.hf import synth_hf
 
 REPO = Path(__file__).resolve().parents[2]

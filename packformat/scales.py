@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from packtools.pack import constants as C
+from packformat import constants as C
 
 
 class ScalePairError(ValueError):

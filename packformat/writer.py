@@ -14,10 +14,10 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from packtools.pack import constants as C
-from packtools.pack.errors import PackWriterError
-from packtools.pack.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
-from packtools.pack.scales import ScalePairError, check_scale_pairs
+from packformat import constants as C
+from packformat.errors import PackWriterError
+from packformat.index import ObjectEntry, PackHeader, RoleEntry, encode_index, index_size
+from packformat.scales import ScalePairError, check_scale_pairs
 
 
 class WriterState(enum.Enum):

@@ -28,10 +28,10 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from packtools.models.kimi_k3.attention_kimi_k3 import KimiK3DeltaAttention, KimiK3MLAAttention
-from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
-from packtools.models.kimi_k3.moe_kimi_k3 import KimiK3Experts, KimiK3MLP, KimiK3SparseMoeBlock, KimiK3TopkRouter
-from packtools.models.kimi_k3.transformers_compat import (
+from inference.models.kimi_k3.attention_kimi_k3 import KimiK3DeltaAttention, KimiK3MLAAttention
+from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from inference.models.kimi_k3.moe_kimi_k3 import KimiK3Experts, KimiK3MLP, KimiK3SparseMoeBlock, KimiK3TopkRouter
+from inference.models.kimi_k3.transformers_compat import (
     accepts_legacy_cache_name,
     cache_of,
     mask_cache_kwargs,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
-from packtools.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
 
 CHECKPOINT_PREFIX = "language_model."
 # module names under block_sparse_moe in the checkpoint; `mlp.gate_proj` of dense layers is not one

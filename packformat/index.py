@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
-from packtools.pack import constants as C
+from packformat import constants as C
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,10 +11,10 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from packtools.pack import constants as C
-from packtools.pack.errors import ObjectChecksumError, PackFormatError, PackIndexError, PackVersionError
-from packtools.pack.index import ObjectEntry, PackHeader, decode_index, index_size
-from packtools.pack.scales import ScalePairError, check_scale_pairs
+from packformat import constants as C
+from packformat.errors import ObjectChecksumError, PackFormatError, PackIndexError, PackVersionError
+from packformat.index import ObjectEntry, PackHeader, decode_index, index_size
+from packformat.scales import ScalePairError, check_scale_pairs
 
 
 class PackReader:

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from packtools.pack import (
+from packformat import (
     ElementType,
     PackIndexError,
     PackReader,
@@ -19,7 +19,7 @@ from packtools.pack import (
     ScalePairError,
     check_scale_pairs,
 )
-from packtools.pack import constants as C
+from packformat import constants as C
 
 F4, UE8M0 = ElementType.F4_E2M1X2, ElementType.UE8M0
 GATE_SHAPE, DOWN_SHAPE = (16, 64), (64, 32)

@@ -7,7 +7,7 @@ is what makes these model types loadable. packtools.arch.registry imports it.
 
 from __future__ import annotations
 
-from packtools.models import kimi_k3
+from inference.models import kimi_k3
 
 # model_type -> the config.json layout of the official checkpoint, for architectures whose
 # repository wraps the text model (synthetic checkpoints are written the same way)
