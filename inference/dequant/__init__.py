@@ -6,12 +6,12 @@ The torch backend runs everywhere; triton kernels are used on CUDA when triton i
 """
 
 from inference.dequant.api import (
-    TORCH_DEQUANTIZERS,
     check_type_and_shape,
     dequantize,
     dequantize_many,
     triton_backend,
 )
+from inference.dequant.registry import TORCH_DEQUANTIZERS
 from inference.dequant.scaled import check_scaled_types_and_shapes, dequantize_scaled, dequantize_scaled_many
 from inference.dequant.errors import (
     BackendUnavailableError,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from inference.dequant import torch_float, torch_kquants, torch_legacy, torch_scaled
+from inference.dequant import torch_float
 from inference.dequant.errors import (
     BackendUnavailableError,
     ByteLengthError,
@@ -24,31 +24,10 @@ from inference.dequant.errors import (
     ShapeError,
     UnsupportedTypeError,
 )
+from inference.dequant.registry import DEQUANTIZERS
 from packformat.constants import SCALED_WEIGHT_TYPES, SUPPORTED_TYPES, ElementType, block_shape
 
 Backend = Literal["auto", "torch", "triton"]
-BlockDequantizer = Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, type_size] -> f32 [n, qk]
-
-TORCH_DEQUANTIZERS: dict[ElementType, BlockDequantizer] = {
-    ElementType.F32: torch_float.dequantize_f32,
-    ElementType.F16: torch_float.dequantize_f16,
-    ElementType.BF16: torch_float.dequantize_bf16,
-    ElementType.Q8_0: torch_legacy.dequantize_q8_0,
-    ElementType.Q4_0: torch_legacy.dequantize_q4_0,
-    ElementType.Q4_1: torch_legacy.dequantize_q4_1,
-    ElementType.Q5_0: torch_legacy.dequantize_q5_0,
-    ElementType.Q5_1: torch_legacy.dequantize_q5_1,
-    ElementType.MXFP4: torch_legacy.dequantize_mxfp4,
-    ElementType.Q2_K: torch_kquants.dequantize_q2_k,
-    ElementType.Q3_K: torch_kquants.dequantize_q3_k,
-    ElementType.Q4_K: torch_kquants.dequantize_q4_k,
-    ElementType.Q5_K: torch_kquants.dequantize_q5_k,
-    ElementType.Q6_K: torch_kquants.dequantize_q6_k,
-    ElementType.UE8M0: torch_scaled.dequantize_ue8m0,  # block scales on their own, as float values
-}
-# every type a pack may hold, except weights that mean nothing without their scales (scaled.py)
-assert set(TORCH_DEQUANTIZERS) == set(SUPPORTED_TYPES) - set(SCALED_WEIGHT_TYPES)
-
 _triton_module: ModuleType | None = None
 _triton_import_error: BaseException | None = None
 
@@ -138,11 +117,12 @@ def _dequantize_rows(
     if module is not None:
         flat = module.dequantize_rows(rows, qtype, math.prod(dims), out_dtype)  # [N, numel]
         return flat.reshape(count, *dims)
-    if qtype in torch_float.FLOAT_DTYPES:  # a plain cast, without a float32 detour
-        return torch_float.cast_rows(rows, qtype, out_dtype).reshape(count, *dims)
+    entry = DEQUANTIZERS[qtype]
+    if entry.float_dtype is not None:  # a plain cast, without a float32 detour
+        return torch_float.cast_rows(rows, entry.float_dtype, out_dtype).reshape(count, *dims)
     _, type_size = block_shape(qtype)
     blocks = rows.reshape(-1, type_size)  # uint8 [N * blocks, type_size]; copies if strided
-    values = TORCH_DEQUANTIZERS[qtype](blocks)  # f32 [N * blocks, block_elems]
+    values = entry.torch(blocks)  # f32 [N * blocks, block_elems]
     return values.to(out_dtype).reshape(count, *dims)
 
 

@@ -9,13 +9,6 @@ from __future__ import annotations
 import torch
 
 from inference.dequant.torch_common import viewable_as
-from packformat.constants import ElementType
-
-FLOAT_DTYPES: dict[ElementType, torch.dtype] = {
-    ElementType.F32: torch.float32,
-    ElementType.F16: torch.float16,
-    ElementType.BF16: torch.bfloat16,
-}
 
 
 def dequantize_f32(blocks: torch.Tensor) -> torch.Tensor:
@@ -34,11 +27,11 @@ def dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
     return viewable_as(blocks, torch.bfloat16).to(torch.float32)  # f32 [n, 1]
 
 
-def cast_rows(rows: torch.Tensor, element_type: ElementType, out_dtype: torch.dtype) -> torch.Tensor:
-    """uint8 [N, nbytes] of a float type -> out_dtype [N, elements], always a new tensor.
+def cast_rows(rows: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [N, nbytes] of floats of `dtype` -> out_dtype [N, elements], always a new tensor.
 
     One cast equals widening to float32 first (exact) and rounding that once, which is what
     the dequantizers above followed by .to(out_dtype) give.
     """
-    values = viewable_as(rows, FLOAT_DTYPES[element_type])  # [N, elements], may alias rows
+    values = viewable_as(rows, dtype)  # [N, elements], may alias rows
     return values.to(out_dtype, copy=True)

@@ -7,12 +7,13 @@ imports triton.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import NamedTuple
 
 import torch
 import triton
 
-from inference.dequant import triton_kquants, triton_legacy
+from inference.dequant.registry import DEQUANTIZERS, TritonKernel
 from packformat.constants import ElementType, block_shape
 
 MAX_GRID_ROWS = 65535  # CUDA's limit on grid dimension 1, which indexes rows
@@ -24,20 +25,14 @@ class KernelSpec(NamedTuple):
     num_warps: int
 
 
-# (blocks per program, warps) measured best on an H200 for 8 experts x [2048, 4096], bf16 out
-# (bench/dequant_bench.py); all are within ~10% of each other's neighbours, any is exact.
+def _kernel_spec(kernel: TritonKernel) -> KernelSpec:
+    module = importlib.import_module(f"inference.dequant.{kernel.module}")
+    return KernelSpec(getattr(module, kernel.name), kernel.blocks_per_program, kernel.num_warps)
+
+
+# the types whose registry entry names a kernel (inference.dequant.registry)
 KERNELS: dict[ElementType, KernelSpec] = {
-    ElementType.Q8_0: KernelSpec(triton_legacy.q8_0_kernel, 64, 8),
-    ElementType.Q4_0: KernelSpec(triton_legacy.q4_0_kernel, 128, 8),
-    ElementType.Q4_1: KernelSpec(triton_legacy.q4_1_kernel, 128, 8),
-    ElementType.Q5_0: KernelSpec(triton_legacy.q5_0_kernel, 128, 4),
-    ElementType.Q5_1: KernelSpec(triton_legacy.q5_1_kernel, 128, 4),
-    ElementType.MXFP4: KernelSpec(triton_legacy.mxfp4_kernel, 128, 8),
-    ElementType.Q2_K: KernelSpec(triton_kquants.q2_k_kernel, 16, 8),
-    ElementType.Q3_K: KernelSpec(triton_kquants.q3_k_kernel, 16, 4),
-    ElementType.Q4_K: KernelSpec(triton_kquants.q4_k_kernel, 16, 4),
-    ElementType.Q5_K: KernelSpec(triton_kquants.q5_k_kernel, 16, 4),
-    ElementType.Q6_K: KernelSpec(triton_kquants.q6_k_kernel, 8, 4),
+    qtype: _kernel_spec(entry.triton) for qtype, entry in DEQUANTIZERS.items() if entry.triton is not None
 }
 TRITON_TYPES = frozenset(KERNELS)
 

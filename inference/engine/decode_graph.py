@@ -181,6 +181,13 @@ class StaticDecoder:
 
     # --- requests -------------------------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Capture the decode step now (and compile its layers) rather than in the first request,
+        which would otherwise wait for it (about 15 s with compilation); nothing to do uncaptured."""
+        self._follow_source()
+        if self.capture and self._graph is None and self.lookup_enabled:
+            self._capture()
+
     def fits(self, prompt_len: int, max_tokens: int) -> bool:
         return prompt_len + max_tokens <= self.max_len
 

@@ -120,6 +120,8 @@ class Engine:
                              eos_ids=eos_token_ids(loaded.tokenizer, loaded.model.generation_config),
                              context_length=context_limit(context_length_of(loaded.config), max_model_len),
                              expert_source=loaded.expert_source, static_cache_len=static_cache_len)
+        if runner.decoder is not None:  # before the server reports ready, not in the first request
+            runner.decoder.prepare()
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
                    request_timeout=request_timeout, stall_timeout=stall_timeout)
 

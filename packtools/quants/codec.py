@@ -12,7 +12,7 @@ import functools
 import gguf
 import numpy as np
 
-from packtools.quants import kquants
+from packtools.quants.registry import SYNTH_CODECS
 
 ElementType = gguf.GGMLQuantizationType
 
@@ -26,22 +26,8 @@ class UnsupportedQuantType(ValueError):
         super().__init__(f"{operation} does not support element type {name}")
 
 
-_GGUF_QUANTIZED = frozenset(
-    {
-        ElementType.F32,
-        ElementType.F16,
-        ElementType.BF16,
-        ElementType.Q8_0,
-        ElementType.Q4_0,
-        ElementType.Q4_1,
-        ElementType.Q5_0,
-        ElementType.Q5_1,
-        ElementType.MXFP4,
-    }
-)
-
 # Types quantize() produces: the pack's self-contained GGML types (constants.SELF_CONTAINED_TYPES).
-QUANTIZABLE_TYPES: frozenset[ElementType] = _GGUF_QUANTIZED | frozenset(kquants.K_QUANTIZERS)
+QUANTIZABLE_TYPES: frozenset[ElementType] = frozenset(SYNTH_CODECS)
 
 
 def element_type_of(element_type: object, operation: str) -> ElementType:
@@ -79,7 +65,8 @@ def quantize(values: np.ndarray, element_type: object) -> np.ndarray:
         raise TypeError(f"quantize needs floating-point values, got dtype {values.dtype}")
     _check_row_length(values.shape[-1], element_type, "elements")
 
-    if element_type in kquants.K_QUANTIZERS:
+    quantize_blocks = SYNTH_CODECS[element_type].quantize_blocks
+    if quantize_blocks is not None:
         # The scale searches assume finite input; NaN/inf would silently yield garbage blocks.
         finite = np.isfinite(values)
         if not finite.all():
@@ -90,7 +77,7 @@ def quantize(values: np.ndarray, element_type: object) -> np.ndarray:
             )
         block_elements, type_size = gguf.GGML_QUANT_SIZES[element_type]
         blocks = values.reshape(-1, block_elements)  # [N, 256]
-        raw = kquants.quantize_k_blocks(blocks, element_type)  # [N, type_size]
+        raw = quantize_blocks(blocks)  # [N, type_size]
         return raw.reshape(*values.shape[:-1], values.shape[-1] // block_elements * type_size)
     quantized = np.ascontiguousarray(gguf.quants.quantize(values, element_type))
     if np.shares_memory(quantized, values):

@@ -8,7 +8,8 @@ are then requantized against the rounded scales, as the C reference does.
 
 from __future__ import annotations
 
-import gguf
+from collections.abc import Callable
+
 import numpy as np
 
 from packtools.quants import search
@@ -174,24 +175,16 @@ def quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-K_QUANTIZERS = {
-    gguf.GGMLQuantizationType.Q2_K: quantize_q2_k,
-    gguf.GGMLQuantizationType.Q3_K: quantize_q3_k,
-    gguf.GGMLQuantizationType.Q4_K: quantize_q4_k,
-    gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-    gguf.GGMLQuantizationType.Q6_K: quantize_q6_k,
-}
-
 # Super-blocks per numpy pass: small enough that the search's [chunk, 256] float32
 # temporaries (1 MiB each) stay in cache, large enough that per-call overhead vanishes.
 CHUNK_BLOCKS = 1024
 
 
-def quantize_k_blocks(blocks: np.ndarray, element_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """[N, 256] float -> [N, type_size] uint8 for one K-quant type, in cache-sized chunks."""
-    quantize_chunk = K_QUANTIZERS[element_type]
-    type_size = gguf.GGML_QUANT_SIZES[element_type][1]
-    out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
+def quantize_k_blocks(
+    blocks: np.ndarray, quantize_chunk: Callable[[np.ndarray], np.ndarray], block_bytes: int
+) -> np.ndarray:
+    """[N, 256] float -> [N, block_bytes] uint8 by one of the quantizers above, in cache-sized chunks."""
+    out = np.empty((blocks.shape[0], block_bytes), dtype=np.uint8)
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
         chunk = blocks[start : start + CHUNK_BLOCKS].astype(_F32, copy=False)
         out[start : start + CHUNK_BLOCKS] = quantize_chunk(np.ascontiguousarray(chunk))

@@ -7,6 +7,9 @@ from pathlib import Path
 
 
 def add_synth_arguments(p: argparse.ArgumentParser) -> None:
+    from packformat.quant_types import QUANT_TYPES  # gguf-py, not transformers: ~0.1 s
+
+    gguf_types = " ".join(t.name for t, record in QUANT_TYPES.items() if record.self_contained)
     # No `choices=`: listing the architectures imports transformers, which would cost every
     # packtools command (validate, inspect) seconds of start-up; run_synth checks the name instead.
     p.add_argument("arch", metavar="ARCH",
@@ -19,8 +22,8 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
                         "dense + scales, FP4 experts + scales, DeepSeek's names and config keys; kimi_k3: "
                         "compressed-tensors MXFP4 experts, bf16 dense, Moonshot's multimodal wrapper)")
     p.add_argument("--expert-type", default=None,
-                   help="expert element type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K "
-                        "Q6_K MXFP4 (gguf; default F32) or float32/bfloat16/float16 (hf; default bfloat16)")
+                   help=f"expert element type: {gguf_types} (gguf; default F32) "
+                        "or float32/bfloat16/float16 (hf; default bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=None,
                    help="default 64, or 256 when the expert type's block is 256 elements (K-quants)")
@@ -39,11 +42,11 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _block_elements(expert_type: str | None) -> int:
-    import gguf
+    from packformat.quant_types import ElementType, block_shape
 
-    if expert_type is None or expert_type.upper() not in gguf.GGMLQuantizationType.__members__:
+    if expert_type is None or expert_type.upper() not in ElementType.__members__:
         return 1  # hf dtypes (float32, bfloat16, ...) are not blocked
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[expert_type.upper()]][0]
+    return block_shape(ElementType[expert_type.upper()])[0]
 
 
 def _sizes(args) -> dict:

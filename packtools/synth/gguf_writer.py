@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from packformat.constants import ElementType, Role, block_shape
+from packformat.constants import QUANT_TYPES, ElementType, Role, block_shape
 from packtools.arch import get_arch
 from packtools.gguf.config_write import write_config_kv
 from packtools.gguf.errors import ExpertQuantizationError
@@ -33,23 +33,6 @@ from packtools.synth.gguf_stream import TensorPlan, write_gguf
 # e.g. packtools.quants.random_blocks). Tensors are role-major, so it is called once per triple.
 ExpertValues = Callable[[int, int, Role], np.ndarray]
 
-FILE_TYPES = {
-    ElementType.F32: gguf.LlamaFileType.ALL_F32,
-    ElementType.F16: gguf.LlamaFileType.MOSTLY_F16,
-    ElementType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
-    ElementType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
-    ElementType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-    ElementType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-    ElementType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
-    ElementType.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
-    ElementType.Q2_K: gguf.LlamaFileType.MOSTLY_Q2_K,
-    ElementType.Q3_K: gguf.LlamaFileType.MOSTLY_Q3_K_M,
-    ElementType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
-    ElementType.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M,
-    ElementType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
-    ElementType.MXFP4: gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
-}
-
 # Tensors llama.cpp's converter always keeps in F32 (besides 1-D ones, norms and biases)
 _F32_KINDS = (
     gguf.MODEL_TENSOR.FFN_GATE_INP,
@@ -61,6 +44,12 @@ _F32_KINDS = (
 _F32_NAMES = re.compile(
     "^(?:" + "|".join(re.escape(gguf.TENSOR_NAMES[k]).replace(r"\{bid\}", r"\d+") for k in _F32_KINDS) + r")\.weight$"
 )
+
+
+def file_type(experts_type: ElementType) -> gguf.LlamaFileType:
+    """general.file_type of a GGUF whose experts are of this type: its record's, else GUESSED."""
+    record = QUANT_TYPES.get(experts_type)
+    return record.file_type if record is not None and record.file_type is not None else gguf.LlamaFileType.GUESSED
 
 
 def element_type(value: str | int) -> ElementType:
@@ -101,7 +90,7 @@ def synth_gguf(
     def add_metadata(writer: gguf.GGUFWriter) -> None:
         writer.add_name(name)
         write_config_kv(writer, config)
-        writer.add_file_type(FILE_TYPES.get(experts_type, gguf.LlamaFileType.GUESSED))
+        writer.add_file_type(file_type(experts_type))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         write_vocab_kv(writer, config, tokenizer, pre=tokenizer_pre)
 

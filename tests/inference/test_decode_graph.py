@@ -188,3 +188,23 @@ def test_prefill_through_the_slot_map_equals_the_eager_prefill(qwen_case, prompt
     finally:
         daemon.stop()
     assert first == expected and second == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepare_captures_the_step_before_the_first_request(qwen_case, eager_tokens):
+    """Engine.from_loaded calls prepare(): the decode step (compiled layers) is captured before the
+    server reports ready, and the first request replays it."""
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=64)
+            decoder = runner.decoder
+            decoder.prepare()
+            graph = decoder._graph
+            assert graph is not None and decoder.compile_layers
+            assert _greedy(runner) == eager_tokens
+            assert decoder._graph is graph and decoder.lookup_steps > 0
+    finally:
+        daemon.stop()
