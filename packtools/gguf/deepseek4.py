@@ -16,10 +16,10 @@ import re
 import gguf
 from transformers import PretrainedConfig
 
-from packtools.gguf.dense_rule import DenseRule, identity_in, identity_out
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.errors import TensorMappingError, UnknownArchitectureError
 from packtools.gguf.metadata import Metadata
-from packtools.gguf.tensor_facts import TensorFacts
+from packtools.gguf.tensor_rules import DenseRule, plain_rule
 
 GGUF_ARCH_NAME = "deepseek4"
 MODEL_TYPE = "deepseek_v4"
@@ -156,4 +156,4 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def dense_rule(config: PretrainedConfig, hf_name: str) -> DenseRule:
     """deepseek4 stores every dense tensor under its own name and shape, transform-free."""
-    return DenseRule(hf_name, (gguf_tensor_name(hf_name),), identity_out, identity_in)
+    return plain_rule(hf_name, gguf_tensor_name(hf_name))

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from packtools.gguf.dense_rule import DenseRule
 from packtools.gguf.errors import TensorMappingError, UnsupportedTensorTypeError
 from packtools.gguf.experts import read_exact
 from packtools.gguf.files import TensorLocation
 from packtools.gguf.tensor_map import TensorMapper
+from packtools.gguf.tensor_rules import DenseRule
 from packtools.quants import UnsupportedQuantType, dequantize
 from packtools.sources.base import DenseTensor
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # One class for an architecture packtools has no model for, whether a GGUF or a config.json names it.
-from packtools.arch.errors import UnknownArchitectureError  # noqa: F401  (raised by the GGUF readers)
+from packtools.errors import UnknownArchitectureError  # noqa: F401  (raised by the GGUF readers)
 
 
 class GGUFError(Exception):

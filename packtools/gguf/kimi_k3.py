@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import gguf
 
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.errors import ExpertLayoutError, UnknownArchitectureError
 from packtools.gguf.metadata import Metadata
 from packtools.gguf.routing import expert_groups
-from packtools.gguf.tensor_facts import TensorFacts
 
 GGUF_ARCH_NAME = "kimi-k3"
 MODEL_TYPE = "kimi_k3"

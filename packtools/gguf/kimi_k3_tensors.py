@@ -30,8 +30,8 @@ import re
 import torch
 from transformers import PretrainedConfig
 
-from packtools.gguf.dense_rule import DenseRule, Tensors, identity_in, identity_out, kv_b_split_join
 from packtools.gguf.errors import TensorMappingError
+from packtools.gguf.tensor_rules import DenseRule, Tensors, identity_in, identity_out, kv_b_split_join
 
 _LAYER = r"model\.layers\.(?P<bid>\d+)\."
 # MoE layers: `block_sparse_moe.` in the checkpoint, `mlp.` in the kimi_k3 model's state_dict

@@ -18,13 +18,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from packtools.arch import get_arch
 from packtools.gguf.archs import arch_for_gguf
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.config_read import expert_hidden_width, hf_config_kwargs
 from packtools.gguf.dense import meta_model_state, plan_dense
 from packtools.gguf.errors import ExpertLayoutError, TensorMappingError
 from packtools.gguf.experts import find_expert_tensors, role_slice, validate_experts
 from packtools.gguf.files import index_tensors, open_shards
 from packtools.gguf.metadata import Metadata
-from packtools.gguf.tensor_facts import TensorFacts
 from packtools.gguf.tensor_map import TensorMapper
 from packtools.gguf.tokenizer import rebuild_tokenizer
 from packtools.sources.base import DenseTensor, ExpertLayout, RoleSlice

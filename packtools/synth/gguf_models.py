@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from packformat.constants import ElementType, Role, tensor_nbytes
-from packtools.arch import get_arch, tiny_config
+from packtools.arch import get_arch, get_architecture, tiny_config
 from packtools.gguf.expert_map import BIAS_ROLES, role_shapes, written_roles
 from packtools.quants import random_blocks
 from packtools.synth.gguf_writer import ExpertValues
@@ -29,8 +29,8 @@ _BIAS_STD = 0.02  # expert biases of streamed models
 
 
 def default_layers(arch: str) -> int:
-    # kimi_linear needs 4 layers for both linear (KDA) and full attention layers to appear
-    return 4 if arch == "kimi_linear" else 2
+    """Layers of a synthesized model: enough for every kind of layer of `arch` to appear."""
+    return get_architecture(arch).synth_layers
 
 
 def tiny_config_with(

@@ -11,15 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from arch_fake import register_fake_architecture
 from test_model_fixtures import GGUF_GPT_OSS_ROLES, PackLayout, compare, default_layout, make_case
 from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
 from packformat import ElementType, Role
+from packtools.arch import ARCHITECTURES
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear",
-         "gpt_oss"]
+
+def exactness_archs() -> list[str]:
+    """Every registered architecture."""
+    return sorted(ARCHITECTURES)
+
+
+ARCHS = exactness_archs()
 F32_RELATIVE_TOLERANCE = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,6 +43,13 @@ def test_float_experts_match_resident_transformers(arch, expert_type, tmp_path):
     base = default_layout(arch)
     layout = PackLayout(base.roles, base.orientation, base.gate_up, tuple((r, expert_type) for r in base.roles))
     assert run_case(arch, tmp_path, layout, f"{arch} {expert_type.name} experts") < F32_RELATIVE_TOLERANCE
+
+
+def test_a_registered_architecture_is_checked_like_the_others(monkeypatch, tmp_path):
+    """One record registered (arch_fake) is all loading a bundle of it and this check need."""
+    fake_arch = register_fake_architecture(monkeypatch)
+    assert fake_arch in exactness_archs()
+    test_float_experts_match_resident_transformers(fake_arch, ElementType.F32, tmp_path)
 
 
 QUANTIZED_CASES = {

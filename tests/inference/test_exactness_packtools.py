@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from inference.experts import LocalPackSource
 from inference.model import load_model
+from packtools.arch import ARCHITECTURES
 from packtools.build import build_bundle
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
@@ -28,8 +29,7 @@ F32_RELATIVE_TOLERANCE = 1e-4
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256}  # K-quant rows are 256-element blocks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HF_CASES = [(arch, "float32") for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
-                                           "deepseek_v4", "kimi_linear", "gpt_oss")]
+HF_CASES = [(arch, "float32") for arch in sorted(ARCHITECTURES)]
 HF_CASES += [("qwen3_moe", "bfloat16"), ("gpt_oss", "bfloat16")]
 
 
@@ -44,16 +44,19 @@ def test_hf_checkpoint_bundle_matches_from_pretrained(arch, checkpoint_dtype, tm
     assert relative < F32_RELATIVE_TOLERANCE
 
 
-GGUF_CASES = [
-    ("qwen3_moe", "Q8_0", {}),
-    ("qwen2_moe", "Q4_0", {}),
-    ("olmoe", "Q5_K", WIDE),
-    ("mixtral", "Q4_K", WIDE),
-    ("deepseek_v3", "Q6_K", WIDE),
-    ("deepseek_v2", "Q4_K", WIDE),
-    ("kimi_linear", "Q8_0", {}),
-    ("gpt_oss", "MXFP4", {}),  # GGUF layout: split out_in gate/up/down, F32 biases
-]
+# the expert type each architecture packtools writes GGUFs of is checked in here; not listed: Q8_0
+GGUF_EXPERT_TYPE = {
+    "qwen3_moe": ("Q8_0", {}),
+    "qwen2_moe": ("Q4_0", {}),
+    "olmoe": ("Q5_K", WIDE),
+    "mixtral": ("Q4_K", WIDE),
+    "deepseek_v3": ("Q6_K", WIDE),
+    "deepseek_v2": ("Q4_K", WIDE),
+    "kimi_linear": ("Q8_0", {}),
+    "gpt_oss": ("MXFP4", {}),  # GGUF layout: split out_in gate/up/down, F32 biases
+}
+GGUF_CASES = [(arch, *GGUF_EXPERT_TYPE.get(arch, ("Q8_0", {})))
+              for arch, record in sorted(ARCHITECTURES.items()) if record.gguf_writable]
 
 
 @pytest.mark.parametrize(("arch", "expert_type", "sizes"), GGUF_CASES, ids=[f"{a}-{t}" for a, t, _ in GGUF_CASES])

@@ -9,7 +9,6 @@ computes with the same weights dequantized to float32: identical greedy tokens, 
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -38,9 +37,9 @@ CASES = [
 
 
 def _declare_block_scaled(monkeypatch, arch: str, style, prefixes) -> None:
-    spec = dataclasses.replace(ARCHITECTURES[arch], checkpoint_prefixes=prefixes,
-                               block_scaled=BlockScaledParts(style.data_suffix, style.scale_suffix))
-    monkeypatch.setitem(ARCHITECTURES, arch, spec)
+    record = ARCHITECTURES[arch].with_spec(checkpoint_prefixes=prefixes,
+                                          block_scaled=BlockScaledParts(style.data_suffix, style.scale_suffix))
+    monkeypatch.setitem(ARCHITECTURES, arch, record)
 
 
 def _check_bundle_bytes(bundle_dir, checkpoint, spec) -> None:
@@ -81,7 +80,7 @@ def _build(tmp_path, monkeypatch, arch, style, prefixes):
                          ids=[f"{a}-{s.data_suffix}-{s.data_dtype}".replace("torch.", "") for a, s, _ in CASES])
 def test_block_scaled_checkpoint_builds_verbatim_and_computes_exactly(arch, style, prefixes, tmp_path, monkeypatch):
     checkpoint = _build(tmp_path, monkeypatch, arch, style, prefixes)
-    _check_bundle_bytes(tmp_path / "bundle", checkpoint, ARCHITECTURES[arch])
+    _check_bundle_bytes(tmp_path / "bundle", checkpoint, ARCHITECTURES[arch].spec)
 
     reference = AutoModelForCausalLM.from_pretrained(checkpoint.reference_dir, dtype=torch.float32,
                                                      experts_implementation="eager").eval()

@@ -25,6 +25,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear
 from inference.experts import LocalPackSource
 from inference.model import load_model
 from llamacpp_indexer import indexer_choices_as_in_llamacpp
+from packtools.arch import ARCHITECTURES
 from packtools.build import build_bundle
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp"
@@ -69,6 +70,14 @@ def _greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def test_every_gguf_architecture_has_a_golden_case():
+    """A registered architecture with a GGUF mapping is compared with llama.cpp here: its cases
+    (scripts/llamacpp_cases.py, named <model_type>-<type>[-variant]) are its golden data."""
+    covered = {case.split("-")[0] for case in CASES}
+    missing = sorted(arch for arch, record in ARCHITECTURES.items() if record.gguf is not None and arch not in covered)
+    assert not missing, f"no llama.cpp golden case for {missing}: add one to scripts/llamacpp_cases.py"
 
 
 def test_golden_set_is_present_and_intact():

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from packformat.bundle import open_bundle
 from packformat.constants import ElementType, Role
+from packtools.arch import ARCHITECTURES, get_arch
 from packtools.build import build_bundle
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
@@ -34,13 +35,25 @@ from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.hf import synth_hf
 from packtools.tokenizer_synth import build_tokenizer
 
+from arch_fake import register_fake_architecture
 from gguf_handmade import Q, handmade_kv, handmade_tensors, write_handmade
 
 REPO = Path(__file__).resolve().parents[2]
-HF_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v4", "kimi_linear",
-            "gpt_oss")
+
+
+def hf_archs() -> list[str]:
+    """Every registered architecture: each builds from a Hugging Face checkpoint."""
+    return sorted(ARCHITECTURES)
+
+
+def gguf_archs() -> list[str]:
+    """Every registered architecture packtools writes GGUFs of (the others' GGUFs come from
+    llama.cpp's converter: tests/golden/llamacpp)."""
+    return sorted(arch for arch, record in ARCHITECTURES.items() if record.gguf_writable)
+
+
 # (arch, dtype, how the checkpoint is laid out)
-HF_CASES = [pytest.param(arch, "bfloat16", "single", id=f"hf-{arch}") for arch in HF_ARCHS] + [
+HF_CASES = [pytest.param(arch, "bfloat16", "single", id=f"hf-{arch}") for arch in hf_archs()] + [
     pytest.param("qwen3_moe", "float16", "sharded", id="hf-qwen3_moe-f16-sharded"),
     pytest.param("deepseek_v4", "float32", "sharded", id="hf-deepseek_v4-f32-sharded"),
     pytest.param("gpt_oss", "bfloat16", "sharded", id="hf-gpt_oss-sharded"),
@@ -48,16 +61,24 @@ HF_CASES = [pytest.param(arch, "bfloat16", "single", id=f"hf-{arch}") for arch i
 ]
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quant rows: 256-element blocks
 NARROW = {"num_experts": 4}
+# the expert type each GGUF arch is built with here, so that every type is built at least once;
+# an architecture not listed gets Q8_0
+GGUF_EXPERT_TYPE = {
+    "qwen3_moe": ("Q4_K", WIDE),
+    "qwen2_moe": ("Q5_K", WIDE),
+    "mixtral": ("Q2_K", WIDE),
+    "olmoe": ("Q6_K", WIDE),
+    "deepseek_v3": ("Q3_K", WIDE),
+    "deepseek_v2": ("Q5_0", NARROW),
+    "kimi_linear": ("Q8_0", NARROW),
+    "gpt_oss": ("MXFP4", NARROW),
+}
 # (arch, expert type, sizes, split_max_tensors): every GGUF arch, every expert type at least once
 GGUF_CASES = [
-    pytest.param("qwen3_moe", "Q4_K", WIDE, None, id="gguf-qwen3_moe-Q4_K"),
-    pytest.param("qwen2_moe", "Q5_K", WIDE, None, id="gguf-qwen2_moe-Q5_K"),
-    pytest.param("mixtral", "Q2_K", WIDE, None, id="gguf-mixtral-Q2_K"),
-    pytest.param("olmoe", "Q6_K", WIDE, None, id="gguf-olmoe-Q6_K"),
-    pytest.param("deepseek_v3", "Q3_K", WIDE, None, id="gguf-deepseek_v3-Q3_K"),
-    pytest.param("deepseek_v2", "Q5_0", NARROW, None, id="gguf-deepseek_v2-Q5_0"),
-    pytest.param("kimi_linear", "Q8_0", NARROW, None, id="gguf-kimi_linear-Q8_0"),
-    pytest.param("gpt_oss", "MXFP4", NARROW, None, id="gguf-gpt_oss-MXFP4"),
+    pytest.param(arch, *GGUF_EXPERT_TYPE.get(arch, ("Q8_0", NARROW)), None,
+                 id=f"gguf-{arch}-{GGUF_EXPERT_TYPE.get(arch, ('Q8_0',))[0]}")
+    for arch in gguf_archs()
+] + [
     pytest.param("qwen3_moe", "F16", NARROW, 7, id="gguf-qwen3_moe-F16-split"),
     pytest.param("olmoe", "BF16", NARROW, None, id="gguf-olmoe-BF16"),
     pytest.param("mixtral", "F32", NARROW, None, id="gguf-mixtral-F32"),
@@ -65,11 +86,14 @@ GGUF_CASES = [
 ]
 
 # ---- golden expert bytes, from the source files directly ----
-HF_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.(\d+)\.(\w+)\.weight$")
+# kimi_k3's official layout nests the text model under "language_model."
+HF_PER_EXPERT = re.compile(
+    r"^(?:language_model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 HF_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 HF_PROJ = {"gate_proj": Role.GATE, "w1": Role.GATE, "up_proj": Role.UP, "w3": Role.UP,
            "down_proj": Role.DOWN, "w2": Role.DOWN}
-GPT_OSS_FUSED = {"gate_up_proj": Role.GATE_UP, "down_proj": Role.DOWN,
+IN_OUT_FUSED = {"gate_up_proj": Role.GATE_UP, "down_proj": Role.DOWN,
                  "gate_up_proj_bias": Role.GATE_UP_BIAS, "down_proj_bias": Role.DOWN_BIAS}
 TORCH_TYPE = {torch.bfloat16: ElementType.BF16, torch.float16: ElementType.F16, torch.float32: ElementType.F32}
 GGUF_ROLE_TENSOR = {Role.GATE: "ffn_gate_exps.weight", Role.UP: "ffn_up_exps.weight",
@@ -97,8 +121,8 @@ def hf_golden(directory: Path, model_type: str) -> Golden:
                 elif match := HF_FUSED.match(name):
                     fused = f.get_tensor(name)  # [E, ...]
                     for expert in range(fused.shape[0]):
-                        if model_type == "gpt_oss":
-                            put(match[1], expert, GPT_OSS_FUSED[match[2]], fused[expert])
+                        if get_arch(model_type).layout.orientation == "in_out":  # gpt_oss: kept whole
+                            put(match[1], expert, IN_OUT_FUSED[match[2]], fused[expert])
                         elif match[2] == "down_proj":
                             put(match[1], expert, Role.DOWN, fused[expert])
                         else:  # gate_up_proj [E, 2I, H]: gate rows first
@@ -231,6 +255,22 @@ def test_gguf_build(tmp_path, arch, expert_type, sizes, split):
     text = "The weather <|im_start|>user\nhi<|im_end|> 4096"
     expected_ids = build_tokenizer(original.config.vocab_size)(text).input_ids
     assert AutoTokenizer.from_pretrained(bundle)(text).input_ids == expected_ids
+
+
+@pytest.fixture
+def fake_arch(monkeypatch):
+    return register_fake_architecture(monkeypatch)
+
+
+def test_a_registered_architecture_builds_like_the_others(fake_arch, tmp_path):
+    """One record registered (arch_fake) is all the build and these checks need."""
+    assert fake_arch in hf_archs() and fake_arch in gguf_archs()
+    for part in ("hf", "gguf"):
+        (tmp_path / part).mkdir()
+    test_hf_build(tmp_path / "hf", fake_arch, "bfloat16", "single")
+    test_gguf_build(tmp_path / "gguf", fake_arch, "Q8_0", NARROW, None)
+    manifest = json.loads((tmp_path / "gguf" / "bundle" / "manifest.json").read_text())
+    assert manifest["model_type"] == fake_arch
 
 
 def test_handmade_gguf_builds_and_validates(tmp_path):

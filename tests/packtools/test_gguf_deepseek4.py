@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from packtools.arch import config_from_dict
 from packtools.gguf.archs import arch_for_gguf
+from packtools.gguf.config_parts import TensorFacts
 from packtools.gguf.config_read import hf_config_kwargs
 from packtools.gguf.deepseek4 import GGUF_ARCH_NAME, gguf_tensor_name
 from packtools.gguf.dense import meta_model_state
@@ -21,7 +22,6 @@ from packtools.gguf.errors import TensorMappingError, UnknownArchitectureError
 from packtools.gguf.experts import find_expert_tensors
 from packtools.gguf.files import index_tensors, open_shards
 from packtools.gguf.metadata import Metadata
-from packtools.gguf.tensor_facts import TensorFacts
 from packtools.synth.deepseek_v4_official import official_config
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp" / "deepseek_v4-MXFP4.gguf"

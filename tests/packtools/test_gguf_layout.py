@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
+from packtools.arch import ARCHITECTURES
 from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf
 
@@ -63,8 +64,13 @@ def written(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
-                                  "kimi_linear"])
+# every architecture packtools writes GGUFs of whose transformers experts are gate_up_proj [E, 2I, H]
+# (gate rows first) and down_proj [E, H, I] (gpt_oss's in_out interleaved experts: its own test)
+SWIGLU_ARCHS = sorted(arch for arch, record in ARCHITECTURES.items()
+                      if record.gguf_writable and record.spec.layout.orientation == "out_in")
+
+
+@pytest.mark.parametrize("arch", SWIGLU_ARCHS)
 def test_swiglu_experts_split_gate_and_up(written, arch):
     w = written(arch)
     layers = sorted({int(k.split(".")[2]) for k in w.state if k.endswith("mlp.experts.gate_up_proj")})

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from packformat.constants import ElementType, Role
-from packtools.arch import get_arch
-from packtools.gguf.expert_map import hf_expert_params, hf_expert_roles
+from packtools.arch import ARCHITECTURES, get_arch
+from packtools.gguf.expert_map import BIAS_ROLES, hf_expert_params, hf_expert_roles
 from packtools.gguf.reference import load_reference_model
 from packtools.gguf.source import GGUFSource
 from packtools.quants import dequantize, quantize
@@ -26,7 +26,16 @@ from packtools.synth.gguf_models import tiny_random_model
 from packtools.synth.gguf_writer import synth_gguf
 from packtools.tokenizer_synth import build_tokenizer
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "kimi_linear")
+from arch_fake import FAKE_GGUF_ARCH, register_fake_architecture
+
+
+def gguf_archs() -> list[str]:
+    """Every registered architecture packtools writes GGUFs of (the others' GGUFs come from
+    llama.cpp's converter: tests/golden/llamacpp)."""
+    return sorted(arch for arch, record in ARCHITECTURES.items() if record.gguf_writable)
+
+
+ARCHS = gguf_archs()
 WIDE = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # K-quant rows: 256-element blocks
 CASES = (
     [pytest.param(arch, "F32", {}, id=f"{arch}-F32") for arch in ARCHS]
@@ -134,9 +143,9 @@ def test_expert_roles_are_the_gguf_tensor_slices(build, arch, expert_type, sizes
     reader = gguf.GGUFReader(built.path)
     tensors = {t.name: t for t in reader.tensors}
     layout = built.source.expert_layout()
-    expected_roles = (Role.GATE, Role.UP, Role.DOWN) + (
-        (Role.GATE_BIAS, Role.UP_BIAS, Role.DOWN_BIAS) if arch == "gpt_oss" else ()
-    )
+    with_biases = not BIAS_ROLES.isdisjoint(get_arch(arch).layout.roles)  # gpt_oss
+    expected_roles = (Role.GATE, Role.UP, Role.DOWN) + ((Role.GATE_BIAS, Role.UP_BIAS, Role.DOWN_BIAS) if with_biases
+                                                        else ())
     assert layout.roles == expected_roles and layout.orientation == "out_in"
     for layer in built.source.moe_layers():
         for expert in range(built.source.num_experts()):
@@ -181,6 +190,22 @@ def test_tokenizer_is_rebuilt_from_metadata(build, arch, tmp_path):
     assert (rebuilt.bos_token_id, rebuilt.eos_token_id, rebuilt.pad_token_id) == (1, 2, 0)
     chat = [{"role": "user", "content": "hello"}]
     assert rebuilt.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
+
+
+@pytest.fixture
+def fake_arch(monkeypatch):
+    return register_fake_architecture(monkeypatch)
+
+
+def test_a_registered_architecture_round_trips_like_the_others(fake_arch, build, tmp_path):
+    """One record registered (arch_fake) is all the GGUF writer, reader and these checks need."""
+    assert fake_arch in gguf_archs()
+    for check in (test_config_builds_the_same_model, test_reference_model_gives_the_same_logits,
+                  test_expert_roles_are_the_gguf_tensor_slices, test_dense_tensors_equal_the_original):
+        check(build, fake_arch, "Q8_0", {})
+    test_tokenizer_is_rebuilt_from_metadata(build, fake_arch, tmp_path)
+    reader = gguf.GGUFReader(build(fake_arch, "Q8_0", {}).path)
+    assert reader.fields["general.architecture"].contents() == FAKE_GGUF_ARCH
 
 
 # kimi-k2 has its own split (packtools.tokenizers_kimi); an unknown pre falls back to GPT-2's

@@ -288,6 +288,6 @@ def test_unknown_model_type_and_corrupt_header(synth_dirs, tmp_path):
 
 def test_role_bytes_match_spec_for_every_arch_config():
     # guards the registry: every layout role has a shape, and shapes are consistent
-    for spec in ARCHITECTURES.values():
+    for spec in (record.spec for record in ARCHITECTURES.values()):
         assert set(spec.layout.roles) == {r for part in spec.fused_parts.values() for r in part.roles}
         assert set(get_arch(spec.model_type).per_expert_parts.values()) <= set(spec.layout.roles)

@@ -28,9 +28,9 @@ def float_checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def deepseek_style(monkeypatch):
-    spec = dataclasses.replace(ARCHITECTURES["qwen3_moe"], block_scaled=BlockScaledParts("weight", "scale"))
-    monkeypatch.setitem(ARCHITECTURES, "qwen3_moe", spec)
-    return spec
+    record = ARCHITECTURES["qwen3_moe"].with_spec(block_scaled=BlockScaledParts("weight", "scale"))
+    monkeypatch.setitem(ARCHITECTURES, "qwen3_moe", record)
+    return record.spec
 
 
 def test_roles_layout_and_bytes(float_checkpoint, tmp_path, deepseek_style):
@@ -100,9 +100,8 @@ def test_broken_block_scaled_checkpoints_are_refused(float_checkpoint, tmp_path,
 
 
 def test_packed_suffix_with_float_data_is_refused(float_checkpoint, tmp_path, monkeypatch):
-    spec = dataclasses.replace(ARCHITECTURES["qwen3_moe"],
-                               block_scaled=BlockScaledParts("weight_packed", "weight_scale"))
-    monkeypatch.setitem(ARCHITECTURES, "qwen3_moe", spec)
+    record = ARCHITECTURES["qwen3_moe"].with_spec(block_scaled=BlockScaledParts("weight_packed", "weight_scale"))
+    monkeypatch.setitem(ARCHITECTURES, "qwen3_moe", record)
     checkpoint = write_block_scaled_checkpoint(float_checkpoint, tmp_path, COMPRESSED_TENSORS, seed=2)
     name = f"{EXPERT}.down_proj.weight_packed"
     _mutated(checkpoint.scaled_dir, lambda t: t.update({name: torch.zeros(64, 16, dtype=torch.float16)}))
@@ -125,7 +124,7 @@ PARSE_CASES = [
 @pytest.mark.parametrize(("prefixes", "name", "expected"), PARSE_CASES)
 def test_block_scaled_names_parse(prefixes, name, expected):
     scaled = BlockScaledParts("weight_packed", "weight_scale") if "weight_" in name else BlockScaledParts()
-    spec = dataclasses.replace(ARCHITECTURES["deepseek_v4"], block_scaled=scaled, checkpoint_prefixes=prefixes)
+    spec = dataclasses.replace(ARCHITECTURES["deepseek_v4"].spec, block_scaled=scaled, checkpoint_prefixes=prefixes)
     assert spec.parse_expert_key(name) == expected
     if expected is not None:
         role = spec.per_expert_parts[expected.part]

@@ -1,7 +1,7 @@
-"""How one transformers tensor is stored in GGUF (DenseRule), and the transforms rules share.
-
-tensor_map builds the rules of the archs gguf-py knows; the modules of the archs it lacks
-(deepseek4, kimi_k3_tensors) build theirs from these same parts.
+"""Dense-tensor rules: how one transformers tensor is stored as GGUF tensor(s), and the transforms
+llama.cpp's converter applies that several architectures share (MLA's kv_b split, LLaMA's rope
+permutation). Architecture modules (packtools.arch.models) build their rules from these;
+packtools.gguf.tensor_map applies them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,19 @@ class DenseRule:
     fallback: DenseRule | None = None
 
 
+def identity_out(tensor: torch.Tensor) -> Tensors:
+    return (tensor,)
+
+
+def identity_in(tensors: Tensors) -> torch.Tensor:
+    return tensors[0]
+
+
+def plain_rule(hf_name: str, gguf_name: str) -> DenseRule:
+    """A tensor stored under another name, unchanged."""
+    return DenseRule(hf_name, (gguf_name,), identity_out, identity_in)
+
+
 def kv_b_split_join(config: PretrainedConfig) -> tuple[Callable[[torch.Tensor], Tensors],
                                                       Callable[[Tensors], torch.Tensor]]:
     """MLA's kv_b_proj <-> llama.cpp's (attn_k_b, attn_v_b): the converter splits it per head and
@@ -47,9 +60,12 @@ def kv_b_split_join(config: PretrainedConfig) -> tuple[Callable[[torch.Tensor], 
     return split, join
 
 
-def identity_out(tensor: torch.Tensor) -> Tensors:
-    return (tensor,)
+def permute_for_llama_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: each head's rows from [x0..x(d/2), y0..] to interleaved pairs."""
+    half = weight.shape[0] // n_head // 2  # rows per head / 2
+    return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def identity_in(tensors: Tensors) -> torch.Tensor:
-    return tensors[0]
+def unpermute_for_llama_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
