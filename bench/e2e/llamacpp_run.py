@@ -29,7 +29,8 @@ from pathlib import Path
 
 from bench.e2e.llamacpp_command import (LlamaBenchOutputError, LlamaBenchPlan, LlamaBenchTest, build_flavour,
                                         build_status_problem, llama_bench_path, llamacpp_required, parse_test)
-from bench.e2e.measure import block_device_stat, device_read_bytes, drop_page_cache, process_read_bytes
+from bench.e2e.measure import (block_device_stat, device_read_bytes, drop_page_cache, process_read_bytes,
+                               setup_ram_limit_bytes, tighten_ram_limit)
 from bench.e2e.prepare import PreparedModel
 
 STOP_GRACE_SECONDS = 5
@@ -183,7 +184,6 @@ def run_llamacpp_budget(name: str, model: PreparedModel, fraction: float, spec: 
     `llamacpp` (command, placement, llama-bench's own per-test timings for the profiler). `share`
     goes unused: llama-bench's tests are sized up front and stopped at `deadline`."""
     from bench.e2e.contenders import budget_bytes
-    from bench.e2e.runner import _tighten_ram_limit, setup_ram_limit_bytes
 
     budget = budget_bytes(model, fraction)
     result = {"contender": name, "shape": model.shape.name, "budget_fraction": fraction, "budget_bytes": budget}
@@ -207,7 +207,7 @@ def run_llamacpp_budget(name: str, model: PreparedModel, fraction: float, spec: 
     def on_loaded() -> None:
         if cgroup is not None:  # llama.cpp has no cache of its own in host RAM: the page cache gets the budget
             try:
-                _tighten_ram_limit(cgroup, budget, 0, result)
+                tighten_ram_limit(cgroup, budget, 0, result)
             except (OSError, ValueError) as exc:
                 limit_errors.append(exc)
 

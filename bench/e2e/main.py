@@ -25,7 +25,8 @@ from bench.e2e.llamacpp_command import BIN_ENV, binary_summary, llama_bench_path
 from bench.e2e.measure import cgroup_v2_problem  # noqa: E402
 from bench.e2e.prepare import prepare_model, remove_model  # noqa: E402
 from bench.e2e.report import write_results  # noqa: E402
-from bench.e2e.runner import KILL_GRACE_SECONDS, RAM_SLACK_BYTES, run_contender_budgets  # noqa: E402
+from bench.e2e.measure import RAM_SLACK_BYTES  # noqa: E402
+from bench.e2e.runner import KILL_GRACE_SECONDS, run_contender_budgets  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES, ShapeError, plan_layers  # noqa: E402
 
 SAMPLE_SEED = 1234

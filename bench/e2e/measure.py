@@ -162,3 +162,21 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+RAM_SLACK_BYTES = 512 * 2**20  # host RAM a contender may use beyond its budget and its own bytes
+
+
+def setup_ram_limit_bytes(overhead_bytes: int, budget: int) -> int:
+    """memory.max while a contender loads and warms up: a generous process baseline (interpreter,
+    torch, CUDA context, dense weights) plus the budget; tightened before the clock starts."""
+    return overhead_bytes + budget
+
+
+def tighten_ram_limit(cgroup: MemoryCgroup, budget: int, own_cache_bytes: int, result: dict) -> None:
+    """memory.max for the timed run (budget_ram_limit): lowering it below
+    memory.current makes the kernel reclaim the page cache down to the budget at once."""
+    current, page_cache = cgroup.usage()
+    cgroup.set_limit(budget_ram_limit(current, page_cache, budget, own_cache_bytes, RAM_SLACK_BYTES))
+    result.update(ram_limit_bytes=cgroup.limit_bytes, ram_own_bytes=current - page_cache,
+                  ram_page_cache_allowance_bytes=max(0, budget - own_cache_bytes))

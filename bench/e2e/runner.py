@@ -17,30 +17,14 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.e2e.measure import (CgroupUnavailable, MemoryCgroup, ReadCounter, block_device_stat, budget_ram_limit,
-                               drop_page_cache)
+from bench.e2e.measure import (CgroupUnavailable, MemoryCgroup, ReadCounter, block_device_stat, drop_page_cache,
+                               setup_ram_limit_bytes, tighten_ram_limit)
 from bench.e2e.prepare import PreparedModel
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_GRACE_SECONDS = 20  # beyond the run's own deadline: daemon shutdown, the result file
 # memory.max beyond what a contender holds after its warm-up plus its budget: Python objects,
 # gRPC buffers and allocator growth during the timed run (anonymous memory cannot be reclaimed)
-RAM_SLACK_BYTES = 512 * 2**20
-
-
-def setup_ram_limit_bytes(overhead_bytes: int, budget: int) -> int:
-    """memory.max while a contender loads and warms up: a generous process baseline (interpreter,
-    torch, CUDA context, dense weights) plus the budget; tightened before the clock starts."""
-    return overhead_bytes + budget
-
-
-def _tighten_ram_limit(cgroup: MemoryCgroup, budget: int, own_cache_bytes: int, result: dict) -> None:
-    """memory.max for the timed run (bench.e2e.measure.budget_ram_limit): lowering it below
-    memory.current makes the kernel reclaim the page cache down to the budget at once."""
-    current, page_cache = cgroup.usage()
-    cgroup.set_limit(budget_ram_limit(current, page_cache, budget, own_cache_bytes, RAM_SLACK_BYTES))
-    result.update(ram_limit_bytes=cgroup.limit_bytes, ram_own_bytes=current - page_cache,
-                  ram_page_cache_allowance_bytes=max(0, budget - own_cache_bytes))
 
 
 def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict, cgroup: MemoryCgroup | None,
@@ -74,7 +58,7 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         # the warm-up's 4 tokens, reported in warm_up_reads) starts the timed run warm
         result["page_cache_dropped_after_warm_up"] = drop_page_cache()
         if cgroup is not None:
-            _tighten_ram_limit(cgroup, budget, built.host_cache_bytes, result)
+            tighten_ram_limit(cgroup, budget, built.host_cache_bytes, result)
         counter.start()  # prefill reads are counted separately from decode's
         before = built.cache_stats()
         marks = {}

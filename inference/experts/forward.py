@@ -33,8 +33,10 @@ import dataclasses
 
 import torch
 
+from inference.experts import fused as F
+from inference.experts.eager import expert_outputs
 from inference.experts.errors import ExpertSourceError, RoutingError, UnboundExpertsError
-from inference.experts.plan import LayerPlan, Which
+from inference.experts.plan import LayerPlan
 from inference.experts.source import ExpertSource, SlotRows, acquire_rows
 
 IMPLEMENTATION_NAME = "expertpack"
@@ -170,8 +172,6 @@ def _complete_layer_forward(module, binding: ExpertsBinding, lookup, hidden_stat
     slot map on the device and nothing waits for the host (no routing transfer, no Acquire, no
     hint: the next layers' experts are resident too, or their own transfer sends it). None when
     the layer's weights need the host's grouping (prefill of weights the GEMM cannot read)."""
-    from inference.experts import fused as F
-
     layer_map = lookup.rows[binding.layer]  # int32 [E], every entry >= 0
     tokens, top_k = top_k_index.shape
     if tokens * top_k <= F.GROUPED_PAIRS:
@@ -218,23 +218,9 @@ def exact_accumulate(module: torch.nn.Module, plan: LayerPlan, hidden_states: to
         final.index_add_(0, token_idx, out.to(final.dtype))
 
 
-def expert_outputs(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, weights: dict[str, torch.Tensor],
-                   i: Which) -> torch.Tensor:
-    """Expert i on its tokens x; or (i None) expert e on row e of x; or (i a tensor of cumulative
-    row counts) every expert on its group of rows: up, gate, down, as eager does."""
-    gate_up = plan.up_output(x, weights, i)  # [rows, 2I] in the module's layout
-    activated = module._apply_gate(gate_up) if plan.target.has_gate else module.act_fn(gate_up)
-    out = plan.down_output(activated, weights, i)  # [rows, H]
-    if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)
-    return out
-
-
 def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_order,
                    unique, expert_ids, expert_counts, rows: SlotRows | None = None) -> torch.Tensor:
     """`rows`: the experts' slots when already known (resident lookup), else acquired here."""
-    from inference.experts import fused as F
-
     if rows is None:
         rows = acquire_rows(binding.source, binding.layer, expert_ids)
     if len(rows.index) != len(expert_ids):
@@ -255,8 +241,6 @@ def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index
                      groups) -> torch.Tensor:
     """The fused path for a layer whose experts exceed the cache: each group acquired and computed
     (grouped GEMMs) before the next replaces it; one combine over every pair at the end."""
-    from inference.experts import fused as F
-
     by_pair = hidden_states.new_empty((pair_order.numel(), hidden_states.shape[-1]))  # [T*k, H]
     start = 0
     for ids, counts in groups:
@@ -270,8 +254,6 @@ def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index
 
 def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, slot_map, arena,
            stride, misses: torch.Tensor | None = None) -> torch.Tensor:
-    from inference.experts import fused as F
-
     if binding.fused is not None:
         return F.pair_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
                               slot_map, arena, stride, misses)
@@ -280,8 +262,6 @@ def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_we
 
 
 def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    from inference.experts import fused as F
-
     lookup = binding.lookup  # this layer's row of the slot map; absent experts counted in lookup.misses
     tokens, top_k = top_k_index.shape
     if tokens * top_k > F.GROUPED_PAIRS and binding.fused is not None:  # a prefill captured whole

@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 
+from inference.experts.eager import expert_outputs
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
 from inference.kernels.ops import (GemmBlocks, GemvWeight, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine,
                                   moe_gemm, moe_gemv)
@@ -120,8 +121,6 @@ def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, to
     """pair_forward for weights the GEMV cannot read in place (block-scaled, in_out): each pair's
     object is copied out of its slot and dequantized, then one batched matmul per projection.
     Also free of host syncs (capturable), at the cost of dequantizing per pair."""
-    from inference.experts.forward import expert_outputs  # the eager arithmetic, one row per pair
-
     pair_slots = slot_map[top_k_index.reshape(-1)]  # int32 [P]
     if misses is not None:
         misses.add_((pair_slots < 0).sum(dtype=torch.int32))
@@ -149,8 +148,6 @@ def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan |
             return slots.to(x.device)
 
         return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, blocks, pair_slots, arena, stride)
-    from inference.experts.forward import expert_outputs
-
     count = arena.numel() // stride
     index = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)  # [n]
     objects = arena[: count * stride].view(count, stride).index_select(0, index)  # uint8 [n, stride]

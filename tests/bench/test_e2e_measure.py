@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.e2e.measure import MemoryCgroup, budget_ram_limit, page_cache_bytes  # noqa: E402
-from bench.e2e.runner import RAM_SLACK_BYTES, _tighten_ram_limit  # noqa: E402
+from bench.e2e.measure import RAM_SLACK_BYTES, tighten_ram_limit  # noqa: E402
 
 GIB = 2**30
 STAT = "anon 3000\nfile 900\nshmem 100\nactive_file 500\ninactive_file 300\nkernel 7\n"
@@ -65,7 +65,7 @@ def test_tightened_limit_is_written_to_memory_max(cgroup_root):
     (cgroup.path / "memory.current").write_text(f"{6 * GIB}\n")
     (cgroup.path / "memory.stat").write_text(f"anon {5 * GIB}\nactive_file {GIB}\ninactive_file 0\n")
     result = {}
-    _tighten_ram_limit(cgroup, budget=3 * GIB, own_cache_bytes=GIB, result=result)
+    tighten_ram_limit(cgroup, budget=3 * GIB, own_cache_bytes=GIB, result=result)
     expected = 5 * GIB + 2 * GIB + RAM_SLACK_BYTES
     assert (cgroup.path / "memory.max").read_text() == str(expected) == str(result["ram_limit_bytes"])
     assert result["ram_own_bytes"] == 5 * GIB and result["ram_page_cache_allowance_bytes"] == 2 * GIB
