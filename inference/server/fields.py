@@ -64,7 +64,7 @@ FIELDS: tuple[Field, ...] = (
     _honoured("seed", "a 64-bit signed integer (400 outside [-2^63, 2^63 - 1]); same seed, same tokens; "
               "choice i of `n` uses seed + i"),
     _honoured("stop", "a string or a list of them; the text ends before the match"),
-    _honoured("n", "choices generated one after another"),
+    _honoured("n", "choices generated together, as sequences of the running batch"),
     _honoured("stream", "server-sent events"),
     _honoured("stream_options", "`include_usage`; vLLM's `continuous_usage_stats`; `include_obfuscation` only false"),
     _honoured("presence_penalty", "[-2, 2], subtracted once from tokens already generated"),

@@ -1,14 +1,9 @@
 """Fixtures shared by every inference test module."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Triton kernels (the fused experts path) run on the CPU under triton's interpreter; the
-    # decision is made when a kernel is decorated, so before any of them is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# triton's interpreter on machines without CUDA is switched on in tests/conftest.py
 
 
 @pytest.fixture
