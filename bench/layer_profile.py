@@ -2,8 +2,11 @@
 
     python bench/layer_profile.py --shape qwen3 --layers 12 --device cuda --out /tmp/profile.json
     python bench/layer_profile.py --shape qwen3 --tiny --device cpu --modes storaged-eager   # smoke test
+    python bench/layer_profile.py --budget 0.5 --decode sample --modes storaged-graph-compiled storaged-eager
 
-Modes (each on the same synthesized model, every expert resident: the all-hit regime):
+Modes (each on the same synthesized model; by default every expert resident: the all-hit regime;
+with --budget F < 1 storaged's VRAM cache holds F of the experts' bytes and its host tier as much
+again, experts are not pre-loaded and steps that meet an absent one run on the acquire path):
   resident          every expert dequantized into transformers' own experts (grouped_mm)
   storaged-graph    storaged arena, decode steps as CUDA graphs reading the slot map (StaticDecoder),
                     eager decoder layers in the graph
@@ -61,13 +64,14 @@ def classify(name: str) -> str:
     return "other kernels"
 
 
-def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int):
-    """(torch model, decoder or None, source or None, closers)."""
+def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
+           budget: float = 1.0, lookahead: int = 0):
+    """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
 
         loaded, _ = load_resident(model.bundle_dir, device=device, dtype=dtype)
-        return loaded.model, None, None, [loaded.close]
+        return loaded.model, None, None, [loaded.close], None
     from bench.e2e.contenders import STORAGED_MODEL, budget_bytes
     from bench.storaged_runs import StoragedProcess
     from inference.engine.decode_graph import StaticDecoder, why_not
@@ -75,11 +79,14 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
 
+    # at least one layer's experts: a prefill pins a layer's demand at once
+    vram = max(budget_bytes(model, budget), budget_bytes(model, 1.0) // max(1, model.moe_layers))
     daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device="cpu" if device.type == "cpu" else
-                             f"cuda:{device.index or 0}", vram_bytes=budget_bytes(model, 1.0), io_parallelism=16,
+                             f"cuda:{device.index or 0}", vram_bytes=vram, io_parallelism=16,
+                             host_bytes=budget_bytes(model, budget) if budget < 1 and device.type == "cuda" else 0,
                              staging_buffers=16, log_path=workdir / f"profile-{mode}.log")
     socket = str(daemon.socket_dir / "s.sock")
-    loaded = load_model(model.bundle_dir, device=device, dtype=dtype,
+    loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
                         expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
     decoder = None
     if mode in ("storaged-graph", "storaged-graph-compiled"):
@@ -88,10 +95,11 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
                                        compile_layers=mode == "storaged-graph-compiled")  # not the default
         if decoder is None:
             raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
-    return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop]
+    return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop], daemon
 
 
-def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int) -> dict:
+def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int, sample_seed: int | None = None
+                   ) -> dict:
     """Device time by kind over `steps` decode steps after a short prompt, and the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,10 +123,17 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int)
                 state["cache"] = _cache_of(result)
                 return result.logits[0, -1]
         synchronize(device)
+        generator = torch.Generator().manual_seed(sample_seed) if sample_seed is not None else None
+
+        def pick(logits: torch.Tensor) -> int:  # greedy, or sampled at temperature 1 as timed_generation
+            if generator is None:
+                return int(logits.argmax())
+            return int(torch.multinomial(torch.softmax(logits.float().cpu(), -1), 1, generator=generator))
+
         with profile(activities=activities) as prof:
             started = time.perf_counter()
             for _ in range(steps):
-                logits = step(int(logits.argmax()))
+                logits = step(pick(logits))
             synchronize(device)
             wall = time.perf_counter() - started
     kinds: dict[str, float] = {}
@@ -224,7 +239,7 @@ def run(args) -> dict:
         tuned["gemm"] = gemm_sweep(shape.expert_type, tokens=args.prompt_len)  # and the prefill GEMM's
         print(gemm_report(tuned["gemm"]), flush=True)
     model = prepare_model(shape, args.layers, workdir, with_bf16_checkpoint=False, balanced_routing=True)
-    results = {"shape": shape.name, "layers": args.layers, "prompt_len": args.prompt_len, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
+    results = {"shape": shape.name, "layers": args.layers, "budget": args.budget, "prompt_len": args.prompt_len, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
@@ -243,19 +258,30 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     if mode == "llamacpp":
         return _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
                          args.prompt_len, args.tokens)
-    built, decoder, source, closers = _build(mode, model, device, dtype, workdir, args.prompt_len + args.tokens + 16)
+    lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
+    built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
+                                                     args.prompt_len + args.tokens + 16 + args.profile_steps,
+                                                     args.budget, lookahead)
+    sample_seed = 1234 if args.decode == "sample" else None
     try:
         vocab = built.config.vocab_size
-        if source is not None:
+        if source is not None and args.budget >= 1:
             _prewarm(source, model.bundle_dir)
         started = time.perf_counter()
         warm_up(built, device, vocab, decoder, prompt_len=args.prompt_len)
         warm_up_s = time.perf_counter() - started
         wait_before = source.expert_wait_seconds() if source is not None else 0.0
+        vram_before = daemon.client.stats().tiers["vram"] if daemon is not None else None
         timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
-                                  tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder)
+                                  tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder,
+                                  sample_seed=sample_seed)
         waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
-        profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps)
+        hits = None
+        if daemon is not None:  # the prefill's and decode's lookups of the timed request
+            vram = daemon.client.stats().tiers["vram"]
+            looked = (vram.hits - vram_before.hits) + (vram.misses - vram_before.misses)
+            hits = (vram.hits - vram_before.hits) / looked if looked else None
+        profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
     finally:
         for close in closers:
@@ -267,9 +293,11 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
               "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
               "warm_up_s": warm_up_s,  # graph captures (and compilation) included
+              "budget": args.budget, "lookahead": lookahead, "decode": args.decode, "vram_hit_rate": hits,
               **profiled, "prefill_profile": prefill_profile}
     if decoder is not None:
-        record.update(steps_redone=decoder.redone_steps, prefills_through_slot_map=decoder.lookup_prefills,
+        record.update(steps_redone=decoder.redone_steps, steps_piecewise=decoder.piecewise_steps,
+                      steps_through_slot_map=decoder.lookup_steps, prefills_through_slot_map=decoder.lookup_prefills,
                       prefills_redone=decoder.redone_prefills)
     busy = sum(profiled["device_us_by_kind"].values()) / 1e6
     record["device_busy_share"] = busy / profiled["wall_s"] if profiled["wall_s"] else None
@@ -279,7 +307,8 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
 
 
 def report(results: dict) -> str:
-    lines = [f"{results['shape']}, {results['layers']} layers ({results['moe_layers']} MoE), {results['device']}",
+    lines = [f"{results['shape']}, {results['layers']} layers ({results['moe_layers']} MoE), {results['device']}, "
+             f"budget {results.get('budget', 1.0):g}",
              f"{'mode':16s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'ms/token':>9s} {'busy':>5s}  per MoE layer (us)"]
     for mode, r in results["modes"].items():
         if "decode_tok_s" not in r:
@@ -304,6 +333,12 @@ def report(results: dict) -> str:
                              f"{k} {v / 1e3:.2f}" for k, v in sorted(pre["device_us_by_kind"].items(),
                                                                      key=lambda kv: -kv[1])) + " (ms)")
     for mode, r in results["modes"].items():
+        if "decode_tok_s" in r and r.get("vram_hit_rate") is not None:
+            hit = r["vram_hit_rate"]
+            lines.append(f"{mode}: VRAM hit rate {hit:.3f}, acquire {r['acquire_ms_per_token']:.2f} ms/token; decode steps "
+                         f"through the slot map {r.get('steps_through_slot_map', '-')}, piecewise "
+                         f"{r.get('steps_piecewise', '-')}, redone {r.get('steps_redone', '-')}")
+    for mode, r in results["modes"].items():
         if r.get("top_kernels_us_per_step"):
             lines.append(f"{mode}: {r['kernels_per_step']:.0f} kernels per step; top: " + "; ".join(
                 f"{name} {us}us x{count}" for name, us, count in r["top_kernels_us_per_step"][:8]))
@@ -322,10 +357,22 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/expertpack-profile")
     parser.add_argument("--llamacpp-bin", default=None)
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="storaged's VRAM cache as a fraction of the experts' bytes, and its host tier as much "
+                             "again when < 1 (then experts are not pre-loaded: the partial-hit regime)")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="experts per token predicted for the next layer (default: 2 x top-k when --budget < 1)")
+    parser.add_argument("--decode", choices=("greedy", "sample"), default="greedy",
+                        help="sample: temperature 1, seed 1234 (random weights' greedy decoding revisits few experts)")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="time the experts GEMV's launch shapes first and use the fastest (bench/gemv_sweep.py)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if not 0 < args.budget <= 1:
+        parser.error(f"--budget must be in (0, 1], got {args.budget}")
+    if args.budget < 1 and {"resident", "llamacpp"} & set(args.modes):
+        parser.error("--budget < 1 is for storaged's modes: resident and llamacpp hold every expert (llama.cpp at a "
+                     "budget, with host RAM limited, is bench/e2e's matrix)")
     results = run(args)
     print(report(results))
     return 0

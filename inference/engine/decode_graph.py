@@ -9,8 +9,10 @@ A step runs optimistically: every MoE layer looks its experts up in the slot map
 experts.forward's device lookup) and counts the absent ones. After the step, one host sync reads
 that count with the logits; when an expert was absent, the step is undone (the static cache's
 write position moved back: the same position is simply written again) and run once more on the
-acquire path, which loads what was missing. The session's step fence brackets the device work,
-so storaged never reuses a slot the step may read.
+acquire path, which loads what was missing: on CUDA the same step recorded as graphs split at
+the experts calls (inference.engine.piecewise), the experts acquired and computed eagerly between
+the pieces. The session's step fence brackets the device work, so storaged never reuses a slot
+the step may read.
 
 The prefill runs the same way: the prompt padded to a power of two (at least PREFILL_MIN_BUCKET
 tokens, at most PREFILL_MAX_BUCKET and the cache), one CUDA graph per such length, captured on
@@ -29,6 +31,7 @@ e.g. gpt_oss, kimi_linear, deepseek_v4), and prompts that fit the static cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -37,8 +40,9 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from inference.engine.compiled_layers import compiled_layers, why_not_compiled
+from inference.engine.piecewise import PiecewiseStep
 from inference.experts.binding import experts_modules
-from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding
+from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding, expertpack_experts_forward
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_STEPS = 32  # most steps decoded on the acquire path after misses before trying the graph again
@@ -93,7 +97,10 @@ def _bindings(model: torch.nn.Module) -> dict[int, ExpertsBinding]:
 
 class StaticDecoder:
     def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool,
-                 lookup_prefill: bool | None = None, compile_layers: bool | None = None):
+                 lookup_prefill: bool | None = None, compile_layers: bool | None = None,
+                 piecewise: bool | None = None):
+        if piecewise and not capture:
+            raise ValueError("piecewise: a piecewise step is made of CUDA graphs, capture must be on")
         self.model = model
         self.source = source
         self.max_len = max_len
@@ -128,6 +135,11 @@ class StaticDecoder:
         # acquire path: when the cache holds less than the working set, almost every step misses,
         # and replaying the graph first would only add its time to each step.
         self._skip = self._backoff = 0
+        # a step on the acquire path replays the dense part as graphs split at the experts calls
+        # (inference.engine.piecewise) rather than running it eagerly; on by default with capture
+        self.piecewise = capture if piecewise is None else piecewise
+        self._piecewise: PiecewiseStep | None = None
+        self.piecewise_steps = 0
         self.fence = None
         self._lookups: dict[int, DeviceLookup] = {}
         self._follow_source()
@@ -152,6 +164,7 @@ class StaticDecoder:
         if fence is self.fence and self.fence is not None:
             return
         self._graph = self._graph_logits = None
+        self._piecewise = None
         self._prefills = {}
         if lookup is None:  # a session without a slot map on this device: acquire path only
             self.fence, self._lookups, self.lookup_enabled = None, {}, False
@@ -281,8 +294,22 @@ class StaticDecoder:
             self.skipped_steps += 1
         if logits is None:
             self._set_lookup(False)
-            logits = self._step_call()  # acquire path: loads whatever is absent
+            logits = self._acquire_step()
         self.length += 1
+        return logits
+
+    def _acquire_step(self) -> torch.Tensor:
+        """The step on the acquire path, which loads whatever is absent: the piecewise graphs
+        with the experts run between them, or (uncaptured) the whole step eagerly."""
+        if self._piecewise is None:
+            return self._step_call()
+        finish = getattr(self.source, "finish_resident_step", None)
+        if callable(finish):  # a forward that failed midway may have left the source's resident step open
+            finish()
+        logits = self._piecewise.replay(expertpack_experts_forward)
+        if callable(finish):  # what the model's forward hook does after an eager call
+            finish()
+        self.piecewise_steps += 1
         return logits
 
     def _lookup_step(self) -> torch.Tensor | None:
@@ -356,6 +383,26 @@ class StaticDecoder:
             self._graph, self._graph_logits = self._capture_graph(self._step_call)
         log.info("decode step captured as a CUDA graph (static cache of %d tokens%s)", self.max_len,
                  ", compiled decoder layers" if self.compile_layers else "")
+        if self.piecewise:
+            self._record_piecewise()
+
+    def _record_piecewise(self) -> None:
+        """Record the acquire path's step as graphs split at the experts calls, with the layers
+        the whole-step graph uses (already warm); eager steps where recording fails."""
+        self.cache.reset()
+        piecewise = PiecewiseStep(self.device)
+        try:
+            with compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext():
+                piecewise.record(list(self.bindings.values()), self._step_call)
+        except Exception as exc:  # a model whose step cannot be split: the acquire path stays eager
+            log.warning("recording the piecewise decode step failed (%s: %s); steps on the acquire path run "
+                        "eagerly", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            piecewise = None
+        self.cache.reset()
+        self._piecewise = piecewise
+        if piecewise is not None:
+            log.info("acquire-path decode step recorded as %d CUDA graphs between %d experts calls",
+                     piecewise.pieces, len(piecewise.boundaries))
 
     def _capture_graph(self, call) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm `call` up (kernels compiled, workspaces allocated) on a side stream under the

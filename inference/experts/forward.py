@@ -73,6 +73,9 @@ class ExpertsBinding:
     # inference.engine.batch.GATHER: sends the call of a batch step's forward to where the step's
     # forwards meet, so that each MoE layer runs once over the union of their tokens (one acquire)
     gather: object | None = None
+    # inference.engine.piecewise.PiecewiseStep while it records a step: the call becomes a boundary
+    # between two captured pieces, and runs eagerly there when the step is replayed
+    segment: object | None = None
 
 
 def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -80,6 +83,8 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     binding: ExpertsBinding | None = getattr(self, BINDING_ATTRIBUTE, None)
     if binding is None:
         raise UnboundExpertsError(type(self).__name__)
+    if binding.segment is not None:
+        return binding.segment.boundary(self, hidden_states, top_k_index, top_k_weights)
     if binding.gather is not None and binding.gather.joined():
         return binding.gather.forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
