@@ -136,6 +136,18 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int,
                 logits = step(pick(logits))
             synchronize(device)
             wall = time.perf_counter() - started
+        import cProfile
+        import io
+        import pstats
+
+        host = cProfile.Profile()  # where the host's time goes in as many steps again (Python functions)
+        host.enable()
+        for _ in range(steps):
+            logits = step(pick(logits))
+        synchronize(device)
+        host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
     kinds: dict[str, float] = {}
     kernels = []
     for event in prof.key_averages():
@@ -148,7 +160,8 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int,
             kernels.append((event.key[:90], device_us / steps, event.count / steps))
     kernels.sort(key=lambda k: -k[1])
     return {"wall_s": wall, "device_us_by_kind": kinds, "kernels_per_step": sum(k[2] for k in kernels),
-            "top_kernels_us_per_step": [[name, round(us, 1), round(count, 1)] for name, us, count in kernels[:25]]}
+            "top_kernels_us_per_step": [[name, round(us, 1), round(count, 1)] for name, us, count in kernels[:25]],
+            "host_profile": text.getvalue()[-8000:]}
 
 
 def _profile_prefill(model, decoder, device: torch.device, vocab: int, prompt_len: int) -> dict:
@@ -196,7 +209,8 @@ def _profile_prefill(model, decoder, device: torch.device, vocab: int, prompt_le
 
 
 def _prewarm(source, bundle_dir) -> None:
-    """Acquire every expert of every layer once: the all-hit regime starts with all of them resident."""
+    """Acquire every expert of every layer once: the all-hit regime starts with all of them resident
+    (below 100%, the tiers together hold what they can: the warm partial-hit regime)."""
     from packformat.bundle import open_bundle
 
     with open_bundle(bundle_dir) as bundle:
@@ -260,27 +274,30 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                          args.prompt_len, args.tokens)
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
-                                                     args.prompt_len + args.tokens + 16 + args.profile_steps,
+                                                     args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
         vocab = built.config.vocab_size
-        if source is not None and args.budget >= 1:
+        if source is not None:  # below 100%: VRAM ends with the last experts acquired, the host tier the rest
             _prewarm(source, model.bundle_dir)
         started = time.perf_counter()
         warm_up(built, device, vocab, decoder, prompt_len=args.prompt_len)
         warm_up_s = time.perf_counter() - started
         wait_before = source.expert_wait_seconds() if source is not None else 0.0
-        vram_before = daemon.client.stats().tiers["vram"] if daemon is not None else None
+        before = daemon.client.stats() if daemon is not None else None
         timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
                                   tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder,
                                   sample_seed=sample_seed)
         waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
-        hits = None
-        if daemon is not None:  # the prefill's and decode's lookups of the timed request
-            vram = daemon.client.stats().tiers["vram"]
+        traffic = {}
+        if daemon is not None:  # the timed request's lookups and bytes moved, prefill included
+            after = daemon.client.stats()
+            vram, vram_before = after.tiers["vram"], before.tiers["vram"]
             looked = (vram.hits - vram_before.hits) + (vram.misses - vram_before.misses)
-            hits = (vram.hits - vram_before.hits) / looked if looked else None
+            traffic = {"vram_hit_rate": (vram.hits - vram_before.hits) / looked if looked else None,
+                       **{f"{name}_per_token": (getattr(after, name) - getattr(before, name)) / timing["decoded"]
+                          for name in ("bytes_read", "h2d_bytes", "d2h_bytes")}}
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
     finally:
@@ -293,7 +310,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
               "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
               "warm_up_s": warm_up_s,  # graph captures (and compilation) included
-              "budget": args.budget, "lookahead": lookahead, "decode": args.decode, "vram_hit_rate": hits,
+              "budget": args.budget, "lookahead": lookahead, "decode": args.decode, **traffic,
               **profiled, "prefill_profile": prefill_profile}
     if decoder is not None:
         record.update(steps_redone=decoder.redone_steps, steps_piecewise=decoder.piecewise_steps,
@@ -335,7 +352,9 @@ def report(results: dict) -> str:
     for mode, r in results["modes"].items():
         if "decode_tok_s" in r and r.get("vram_hit_rate") is not None:
             hit = r["vram_hit_rate"]
-            lines.append(f"{mode}: VRAM hit rate {hit:.3f}, acquire {r['acquire_ms_per_token']:.2f} ms/token; decode steps "
+            lines.append(f"{mode}: VRAM hit rate {hit:.3f}, per token: acquire {r['acquire_ms_per_token']:.2f} ms, "
+                         f"SSD {r['bytes_read_per_token'] / 1e6:.1f} MB, H2D {r['h2d_bytes_per_token'] / 1e6:.1f} MB, "
+                         f"D2H {r['d2h_bytes_per_token'] / 1e6:.1f} MB; decode steps "
                          f"through the slot map {r.get('steps_through_slot_map', '-')}, piecewise "
                          f"{r.get('steps_piecewise', '-')}, redone {r.get('steps_redone', '-')}")
     for mode, r in results["modes"].items():
