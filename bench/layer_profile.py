@@ -65,7 +65,7 @@ def classify(name: str) -> str:
 
 
 def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
-           budget: float = 1.0, lookahead: int = 0):
+           budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None):
     """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
@@ -83,7 +83,8 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     vram = max(budget_bytes(model, budget), budget_bytes(model, 1.0) // max(1, model.moe_layers))
     daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device="cpu" if device.type == "cpu" else
                              f"cuda:{device.index or 0}", vram_bytes=vram, io_parallelism=16,
-                             host_bytes=budget_bytes(model, budget) if budget < 1 and device.type == "cuda" else 0,
+                             host_bytes=budget_bytes(model, budget if host_budget is None else host_budget)
+                             if budget < 1 and device.type == "cuda" else 0,
                              staging_buffers=16, log_path=workdir / f"profile-{mode}.log")
     socket = str(daemon.socket_dir / "s.sock")
     loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
@@ -275,7 +276,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
-                                                     args.budget, lookahead)
+                                                     args.budget, lookahead, args.host_budget)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
         vocab = built.config.vocab_size
@@ -297,7 +298,15 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
             looked = (vram.hits - vram_before.hits) + (vram.misses - vram_before.misses)
             traffic = {"vram_hit_rate": (vram.hits - vram_before.hits) / looked if looked else None,
                        **{f"{name}_per_token": (getattr(after, name) - getattr(before, name)) / timing["decoded"]
-                          for name in ("bytes_read", "h2d_bytes", "d2h_bytes")}}
+                          for name in ("bytes_read", "h2d_bytes", "d2h_bytes", "prefetch_issued", "prefetch_used",
+                                       "prefetch_wasted", "fence_waits", "reads")}}
+            reads = after["read_seconds"].count - before["read_seconds"].count
+            traffic["read_ms_mean"] = 1e3 * (after["read_seconds"].sum - before["read_seconds"].sum) / max(1, reads)
+            acquires = after["acquire_seconds"].count - before["acquire_seconds"].count
+            traffic["storaged_acquire_us_mean"] = 1e6 * (after["acquire_seconds"].sum - before["acquire_seconds"].sum
+                                                         ) / max(1, acquires)
+            traffic["fence_wait_ms_per_token"] = 1e3 * (after["fence_wait_seconds_total"]
+                                                        - before["fence_wait_seconds_total"]) / timing["decoded"]
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
     finally:
@@ -310,7 +319,8 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
               "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
               "warm_up_s": warm_up_s,  # graph captures (and compilation) included
-              "budget": args.budget, "lookahead": lookahead, "decode": args.decode, **traffic,
+              "budget": args.budget, "host_budget": args.host_budget, "lookahead": lookahead, "decode": args.decode,
+              **traffic,
               **profiled, "prefill_profile": prefill_profile}
     if decoder is not None:
         record.update(steps_redone=decoder.redone_steps, steps_piecewise=decoder.piecewise_steps,
@@ -354,7 +364,11 @@ def report(results: dict) -> str:
             hit = r["vram_hit_rate"]
             lines.append(f"{mode}: VRAM hit rate {hit:.3f}, per token: acquire {r['acquire_ms_per_token']:.2f} ms, "
                          f"SSD {r['bytes_read_per_token'] / 1e6:.1f} MB, H2D {r['h2d_bytes_per_token'] / 1e6:.1f} MB, "
-                         f"D2H {r['d2h_bytes_per_token'] / 1e6:.1f} MB; decode steps "
+                         f"D2H {r['d2h_bytes_per_token'] / 1e6:.1f} MB, prefetches {r['prefetch_issued_per_token']:.1f} "
+                         f"(used {r['prefetch_used_per_token']:.1f}, wasted {r['prefetch_wasted_per_token']:.1f}), "
+                         f"storaged's Acquire {r['storaged_acquire_us_mean']:.0f} us mean, {r['reads_per_token']:.1f} "
+                         f"reads of {r['read_ms_mean']:.2f} ms mean, fence waits "
+                         f"{r['fence_wait_ms_per_token']:.2f} ms; decode steps "
                          f"through the slot map {r.get('steps_through_slot_map', '-')}, piecewise "
                          f"{r.get('steps_piecewise', '-')}, redone {r.get('steps_redone', '-')}")
     for mode, r in results["modes"].items():
@@ -379,6 +393,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=1.0,
                         help="storaged's VRAM cache as a fraction of the experts' bytes, and its host tier as much "
                              "again when < 1 (then experts are not pre-loaded: the partial-hit regime)")
+    parser.add_argument("--host-budget", type=float, default=None,
+                        help="storaged's host tier as a fraction of the experts' bytes (default: --budget)")
     parser.add_argument("--lookahead", type=int, default=None,
                         help="experts per token predicted for the next layer (default: 2 x top-k when --budget < 1)")
     parser.add_argument("--decode", choices=("greedy", "sample"), default="greedy",
@@ -389,6 +405,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:
         parser.error(f"--budget must be in (0, 1], got {args.budget}")
+    if args.host_budget is not None and not (args.budget < 1 and 0 <= args.host_budget <= 1):
+        parser.error(f"--host-budget {args.host_budget}: must be in [0, 1], with --budget < 1")
     if args.budget < 1 and {"resident", "llamacpp"} & set(args.modes):
         parser.error("--budget < 1 is for storaged's modes: resident and llamacpp hold every expert (llama.cpp at a "
                      "budget, with host RAM limited, is bench/e2e's matrix)")
