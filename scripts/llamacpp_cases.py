@@ -67,8 +67,14 @@ def _kimi_linear_keys(config: dict) -> dict:
     return {"linear_attn_config": linear, "first_k_dense_replace": 0, "moe_router_activation_func": "sigmoid"}
 
 
+# dots.llm1's config.json says "scoring_func": "sigmoid" (Dots1Config does not serialize it); the
+# converter writes it as expert_gating_func, which llama.cpp's dots1 graph needs
+def _dots1_keys(config: dict) -> dict:
+    return {"scoring_func": "sigmoid"}
+
+
 CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "deepseek_v2": _deepseek_v2_keys,
-                         "kimi_linear": _kimi_linear_keys}
+                         "kimi_linear": _kimi_linear_keys, "dots1": _dots1_keys}
 # DeepSeek-V2-Lite's routing: plain top-k over all experts (the tiny default is V2 / V2.5's
 # group_limited_greedy). Its q_lora_rank stays: llama.cpp reads a missing q_lora_rank only in
 # 26/27-layer files, which it takes for V2-Lite by their depth.
@@ -114,6 +120,8 @@ CASES = [
     Case("deepseek_v2", "F32", NARROW, DEEPSEEK_V2_LITE_ROUTING, variant="greedy"),
     Case("gpt_oss", "F32", NARROW),
     Case("kimi_linear", "F32", NARROW),
+    Case("dots1", "F32", NARROW),
+    Case("glm4_moe", "F32", NARROW),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

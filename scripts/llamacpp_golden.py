@@ -183,12 +183,30 @@ def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = recognise_or_gpt2
+    _glm_vocab_or_gpt2(base)
     if DSV4_DENSE_BF16_FLAG in converter_args:
         converter_args = [a for a in converter_args if a != DSV4_DENSE_BF16_FLAG]
         _keep_dsv4_fp8_dense_bf16()
     script = str(Path(llama_cpp) / "convert_hf_to_gguf.py")
     sys.argv = [script, *converter_args]
     runpy.run_path(script, run_name="__main__")
+
+
+def _glm_vocab_or_gpt2(base) -> None:
+    """GLM's vocab step looks up GLM's own special tokens ([gMASK], <|user|>, <|observation|>) by
+    name; the synthetic tokenizer has none, so it writes the same byte-level BPE vocabulary the
+    generic GPT-2 way. Token ids, and so the comparison, are untouched; a real GLM tokenizer keeps
+    the converter's own path."""
+    glm_vocab = base.TextModel._set_vocab_glm
+
+    def glm_or_gpt2(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        if "[gMASK]" in AutoTokenizer.from_pretrained(self.dir_model).get_added_vocab():
+            return glm_vocab(self)
+        return self._set_vocab_gpt2()
+
+    base.TextModel._set_vocab_glm = glm_or_gpt2
 
 
 DSV4_DENSE_BF16_FLAG = "--dsv4-fp8-dense-as-bf16"

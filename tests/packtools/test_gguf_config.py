@@ -36,6 +36,12 @@ ROUND_TRIPS = [
     pytest.param("mixtral", {"tie_word_embeddings": True, "head_dim": 32, "sliding_window": 48},
                  id="mixtral-tied-head-dim"),
     pytest.param("olmoe", {"clip_qkv": 8.0, "norm_topk_prob": True, "rms_norm_eps": 1e-6}, id="olmoe-clip-qkv"),
+    pytest.param("dots1", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+                 id="dots1-group-limited"),
+    pytest.param("glm4_moe", {"use_qk_norm": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                  "partial_rotary_factor": 0.25},
+                              "n_group": 2, "topk_group": 1}, id="glm4-no-qk-norm-quarter-rotary"),
 ]
 
 
@@ -66,6 +72,10 @@ REFUSED = [
     pytest.param("gpt_oss", {"swiglu_limit": 5.0}, "swiglu_limit", id="gpt-oss-clamp"),
     pytest.param("mixtral", {"rope_parameters": LLAMA3_ROPE}, "rope_type", id="mixtral-llama3-rope"),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, "mlp_only_layers", id="qwen2-dense-layer"),
+    pytest.param("dots1", {"num_key_value_heads": 2}, "num_key_value_heads", id="dots1-gqa"),
+    pytest.param("dots1", {"attention_bias": True}, "attention_bias", id="dots1-attention-bias"),
+    pytest.param("dots1", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types",
+                 id="dots1-sliding-window"),
 ]
 
 

@@ -1,0 +1,47 @@
+"""dots1 and glm4moe GGUFs as llama.cpp's converter writes them (tests/golden/llamacpp): the
+gating function transformers' routers compute is required, and GLM's multi-token-prediction
+blocks, which transformers does not load, are left out of the model and named in the identity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from gguf_handmade import rewrite_gguf
+from packtools.gguf.errors import InvalidMetadataError
+from packtools.gguf.source import GGUFSource
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp"
+GATING = "dots1.expert_gating_func"
+U32 = gguf.GGUFValueType.UINT32
+
+
+@pytest.mark.parametrize("gating", [None, int(gguf.ExpertGatingFuncType.SOFTMAX)], ids=["absent", "softmax"])
+def test_dots1_gating_other_than_sigmoid_is_refused(tmp_path, gating):
+    path = rewrite_gguf(GOLDEN / "dots1-F32.gguf", tmp_path / "m.gguf", {GATING: (gating, U32)}, set(), {})
+    with pytest.raises(InvalidMetadataError, match=GATING):
+        GGUFSource(path)
+
+
+def test_glm4moe_mtp_blocks_are_left_out_and_named(tmp_path):
+    golden = GOLDEN / "glm4_moe-F32.gguf"
+    reader = gguf.GGUFReader(golden)
+    assert reader.get_field("glm4moe.nextn_predict_layers").contents() == 1
+    assert reader.get_field("glm4moe.block_count").contents() == 3  # 2 decoder layers + 1 MTP block
+    # what a real GLM-4.5 GGUF holds in its MTP block (a whole decoder layer plus nextn.*)
+    mtp = {name.replace("blk.1.", "blk.2."): np.array(t.data) for t in reader.tensors
+           if (name := t.name).startswith("blk.1.")}
+    mtp["blk.2.nextn.eh_proj.weight"] = np.zeros((64, 128), dtype=np.float32)
+    mtp["blk.2.nextn.enorm.weight"] = np.ones(64, dtype=np.float32)
+    path = rewrite_gguf(golden, tmp_path / "with-mtp.gguf", {}, set(), mtp)
+    with GGUFSource(golden) as plain, GGUFSource(path) as source:
+        assert source.hf_config() == plain.hf_config()
+        assert source.hf_config()["num_hidden_layers"] == 2
+        assert source.hf_config()["num_nextn_predict_layers"] == 1
+        assert source.moe_layers() == plain.moe_layers() == [1]
+        assert [t.name for t in source.dense_tensors()] == [t.name for t in plain.dense_tensors()]
+        assert source.identity()["mtp_tensors_left_out"] == sorted(mtp)
+        assert "mtp_tensors_left_out" not in plain.identity()
