@@ -122,6 +122,7 @@ CASES = [
     Case("kimi_linear", "F32", NARROW),
     Case("dots1", "F32", NARROW),
     Case("glm4_moe", "F32", NARROW),
+    Case("ernie4_5_moe", "F32", NARROW),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

@@ -184,6 +184,7 @@ def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
 
     base.TextModel.get_vocab_base_pre = recognise_or_gpt2
     _glm_vocab_or_gpt2(base)
+    _sentencepiece_vocab_or_gpt2()
     if DSV4_DENSE_BF16_FLAG in converter_args:
         converter_args = [a for a in converter_args if a != DSV4_DENSE_BF16_FLAG]
         _keep_dsv4_fp8_dense_bf16()
@@ -207,6 +208,22 @@ def _glm_vocab_or_gpt2(base) -> None:
         return self._set_vocab_gpt2()
 
     base.TextModel._set_vocab_glm = glm_or_gpt2
+
+
+def _sentencepiece_vocab_or_gpt2() -> None:
+    """ERNIE-4.5's vocab step reads a SentencePiece tokenizer.model; the synthetic tokenizer is a
+    byte-level BPE tokenizer.json, which the converter writes the GPT-2 way (token ids unchanged).
+    A checkpoint with a tokenizer.model keeps the converter's own path."""
+    from conversion.ernie import Ernie4_5Model  # noqa: PLC0415  (only importable with the vendored paths)
+
+    ernie_vocab = Ernie4_5Model.set_vocab
+
+    def ernie_or_gpt2(self) -> None:
+        if (self.dir_model / "tokenizer.model").is_file():
+            return ernie_vocab(self)
+        return self._set_vocab_gpt2()
+
+    Ernie4_5Model.set_vocab = ernie_or_gpt2
 
 
 DSV4_DENSE_BF16_FLAG = "--dsv4-fp8-dense-as-bf16"

@@ -42,6 +42,9 @@ ROUND_TRIPS = [
                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                   "partial_rotary_factor": 0.25},
                               "n_group": 2, "topk_group": 1}, id="glm4-no-qk-norm-quarter-rotary"),
+    pytest.param("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_num_shared_experts": 2, "tie_word_embeddings": True},
+                 id="ernie-all-moe-two-shared-tied"),
+    pytest.param("ernie4_5_moe", {"moe_num_shared_experts": 0}, id="ernie-no-shared"),
 ]
 
 
@@ -76,6 +79,10 @@ REFUSED = [
     pytest.param("dots1", {"attention_bias": True}, "attention_bias", id="dots1-attention-bias"),
     pytest.param("dots1", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types",
                  id="dots1-sliding-window"),
+    pytest.param("ernie4_5_moe", {"moe_layer_interval": 2}, "moe_layer_interval", id="ernie-interleaved"),
+    pytest.param("ernie4_5_moe", {"moe_layer_end_index": 0, "moe_layer_start_index": 0}, "moe_layer_end_index",
+                 id="ernie-dense-tail"),
+    pytest.param("ernie4_5_moe", {"use_bias": True}, "use_bias", id="ernie-biases"),
 ]
 
 
