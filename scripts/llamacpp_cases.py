@@ -73,8 +73,17 @@ def _dots1_keys(config: dict) -> dict:
     return {"scoring_func": "sigmoid"}
 
 
+# Tencent's config.json states the MoE settings per layer (all equal), which the converter reads;
+# transformers' HunYuanMoEV1Config keeps the experts' width in intermediate_size and one shared MLP
+def _hunyuan_keys(config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    return {"moe_intermediate_size": [config["intermediate_size"]] * layers,
+            "moe_topk": [config["moe_topk"]] * layers, "num_shared_expert": [1] * layers}
+
+
 CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "deepseek_v2": _deepseek_v2_keys,
-                         "kimi_linear": _kimi_linear_keys, "dots1": _dots1_keys}
+                         "kimi_linear": _kimi_linear_keys, "dots1": _dots1_keys,
+                         "hunyuan_v1_moe": _hunyuan_keys}
 # DeepSeek-V2-Lite's routing: plain top-k over all experts (the tiny default is V2 / V2.5's
 # group_limited_greedy). Its q_lora_rank stays: llama.cpp reads a missing q_lora_rank only in
 # 26/27-layer files, which it takes for V2-Lite by their depth.
@@ -123,6 +132,7 @@ CASES = [
     Case("dots1", "F32", NARROW),
     Case("glm4_moe", "F32", NARROW),
     Case("ernie4_5_moe", "F32", NARROW),
+    Case("hunyuan_v1_moe", "F32", NARROW),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

@@ -224,6 +224,25 @@ def _sentencepiece_vocab_or_gpt2() -> None:
         return self._set_vocab_gpt2()
 
     Ernie4_5Model.set_vocab = ernie_or_gpt2
+    _tiktoken_vocab_or_gpt2()
+
+
+def _tiktoken_vocab_or_gpt2() -> None:
+    """Hunyuan's vocab step rebuilds merges from Tencent's tiktoken tokenizer (`mergeable_ranks`)
+    and pins BOS to id 127959; the synthetic byte-level BPE tokenizer.json is written the GPT-2 way
+    (token ids unchanged). A tokenizer with mergeable_ranks keeps the converter's own path."""
+    from conversion.hunyuan import HunYuanMoEModel  # noqa: PLC0415
+
+    hunyuan_vocab = HunYuanMoEModel.set_vocab
+
+    def hunyuan_or_gpt2(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        if hasattr(AutoTokenizer.from_pretrained(self.dir_model), "mergeable_ranks"):
+            return hunyuan_vocab(self)
+        return self._set_vocab_gpt2()
+
+    HunYuanMoEModel.set_vocab = hunyuan_or_gpt2
 
 
 DSV4_DENSE_BF16_FLAG = "--dsv4-fp8-dense-as-bf16"

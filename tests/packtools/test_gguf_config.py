@@ -45,6 +45,8 @@ ROUND_TRIPS = [
     pytest.param("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_num_shared_experts": 2, "tie_word_embeddings": True},
                  id="ernie-all-moe-two-shared-tied"),
     pytest.param("ernie4_5_moe", {"moe_num_shared_experts": 0}, id="ernie-no-shared"),
+    pytest.param("hunyuan_v1_moe", {"attention_bias": True, "tie_word_embeddings": True, "head_dim": 32},
+                 id="hunyuan-bias-tied-wide-heads"),
 ]
 
 
@@ -83,6 +85,8 @@ REFUSED = [
     pytest.param("ernie4_5_moe", {"moe_layer_end_index": 0, "moe_layer_start_index": 0}, "moe_layer_end_index",
                  id="ernie-dense-tail"),
     pytest.param("ernie4_5_moe", {"use_bias": True}, "use_bias", id="ernie-biases"),
+    pytest.param("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+                 "rope_type", id="hunyuan-dynamic-rope"),
 ]
 
 

@@ -1,6 +1,7 @@
-"""dots1 and glm4moe GGUFs as llama.cpp's converter writes them (tests/golden/llamacpp): the
-gating function transformers' routers compute is required, and GLM's multi-token-prediction
-blocks, which transformers does not load, are left out of the model and named in the identity."""
+"""GGUFs as llama.cpp's converter writes them (tests/golden/llamacpp), changed where a file says
+what transformers' model cannot compute: dots1 needs the sigmoid gating its router computes,
+Hunyuan a shared MLP as wide as its experts; GLM's multi-token-prediction blocks, which
+transformers does not load, are left out of the model and named in the identity."""
 
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def test_glm4moe_mtp_blocks_are_left_out_and_named(tmp_path):
         assert [t.name for t in source.dense_tensors()] == [t.name for t in plain.dense_tensors()]
         assert source.identity()["mtp_tensors_left_out"] == sorted(mtp)
         assert "mtp_tensors_left_out" not in plain.identity()
+
+
+def test_hunyuan_shared_mlp_of_another_width_is_refused(tmp_path):
+    """transformers' HunYuanMoEV1 sizes experts and the shared MLP alike (intermediate_size)."""
+    key = "hunyuan-moe.expert_shared_feed_forward_length"
+    path = rewrite_gguf(GOLDEN / "hunyuan_v1_moe-F32.gguf", tmp_path / "m.gguf", {key: (64, U32)}, set(), {})
+    with pytest.raises(InvalidMetadataError, match=key):
+        GGUFSource(path)
