@@ -81,9 +81,16 @@ def _hunyuan_keys(config: dict) -> dict:
             "moe_topk": [config["moe_topk"]] * layers, "num_shared_expert": [1] * layers}
 
 
+# MiniMax-M2's released config.json states "rotary_dim" and "scoring_func": "sigmoid", which the
+# converter reads; transformers' MiniMaxM2Config folds the first into rope_parameters, drops the second
+def _minimax_m2_keys(config: dict) -> dict:
+    rotary_dim = int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"])
+    return {"rotary_dim": rotary_dim, "scoring_func": "sigmoid"}
+
+
 CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "deepseek_v2": _deepseek_v2_keys,
                          "kimi_linear": _kimi_linear_keys, "dots1": _dots1_keys,
-                         "hunyuan_v1_moe": _hunyuan_keys}
+                         "hunyuan_v1_moe": _hunyuan_keys, "minimax_m2": _minimax_m2_keys}
 # DeepSeek-V2-Lite's routing: plain top-k over all experts (the tiny default is V2 / V2.5's
 # group_limited_greedy). Its q_lora_rank stays: llama.cpp reads a missing q_lora_rank only in
 # 26/27-layer files, which it takes for V2-Lite by their depth.
@@ -133,6 +140,7 @@ CASES = [
     Case("glm4_moe", "F32", NARROW),
     Case("ernie4_5_moe", "F32", NARROW),
     Case("hunyuan_v1_moe", "F32", NARROW),
+    Case("minimax_m2", "F32", NARROW),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

@@ -35,10 +35,11 @@ def head_dim_or_default(meta: Metadata, kwargs: dict) -> int:
     return meta.get(ATTN.KEY_LENGTH, kwargs["hidden_size"] // kwargs["num_attention_heads"])
 
 
-def require_gating(meta: Metadata, gating: gguf.ExpertGatingFuncType, reason: str) -> None:
-    """Refuse a file whose expert_gating_func is not the one the transformers router computes
-    (absent included: llama.cpp then aborts for archs without a default of their own)."""
-    value = meta.get(LLM.EXPERT_GATING_FUNC)
+def require_gating(meta: Metadata, gating: gguf.ExpertGatingFuncType, reason: str,
+                   absent: gguf.ExpertGatingFuncType | None = None) -> None:
+    """Refuse a file whose expert_gating_func is not the one the transformers router computes.
+    `absent`: what llama.cpp's graph reads when the key is missing (None: it has no default and aborts)."""
+    value = meta.get(LLM.EXPERT_GATING_FUNC, None if absent is None else int(absent))
     if value != int(gating):
         raise InvalidMetadataError(meta.path, meta.key(LLM.EXPERT_GATING_FUNC), value,
                                    f"{reason} ({int(gating)}, {gating.name.lower()})")

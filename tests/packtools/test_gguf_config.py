@@ -47,6 +47,8 @@ ROUND_TRIPS = [
     pytest.param("ernie4_5_moe", {"moe_num_shared_experts": 0}, id="ernie-no-shared"),
     pytest.param("hunyuan_v1_moe", {"attention_bias": True, "tie_word_embeddings": True, "head_dim": 32},
                  id="hunyuan-bias-tied-wide-heads"),
+    pytest.param("minimax_m2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                    "partial_rotary_factor": 1.0}}, id="minimax-m2-full-rotary"),
 ]
 
 
@@ -87,6 +89,7 @@ REFUSED = [
     pytest.param("ernie4_5_moe", {"use_bias": True}, "use_bias", id="ernie-biases"),
     pytest.param("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
                  "rope_type", id="hunyuan-dynamic-rope"),
+    pytest.param("minimax_m2", {"tie_word_embeddings": True}, "tie_word_embeddings", id="minimax-m2-tied"),
 ]
 
 

@@ -31,9 +31,10 @@ def tiny_v3_moe(size: TinySize) -> dict:
     }
 
 
-def read_v3_moe(meta: Metadata, router: str) -> dict:
-    """`router`: the transformers router class, named where the file's gating is not sigmoid."""
-    require_gating(meta, SIGMOID, f"transformers' {router} gates with sigmoid")
+def read_v3_moe(meta: Metadata, router: str, absent_gating: gguf.ExpertGatingFuncType | None = None) -> dict:
+    """`router`: the transformers router class, named where the file's gating is not sigmoid;
+    `absent_gating`: what llama.cpp's graph reads when the file has no gating key."""
+    require_gating(meta, SIGMOID, f"transformers' {router} gates with sigmoid", absent_gating)
     n_group, topk_group = expert_groups(meta)
     return {
         "moe_intermediate_size": meta.require(LLM.EXPERT_FEED_FORWARD_LENGTH),

@@ -42,7 +42,8 @@ def _read(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
     rope = {**kwargs["rope_parameters"],
             "partial_rotary_factor": shortest_float(meta.require(ROPE.DIMENSION_COUNT) / head_dim)}
     return {
-        **read_v3_moe(meta, "Glm4MoeTopkRouter"),
+        # llama.cpp's glm4moe graph reads a file without the gating key as sigmoid
+        **read_v3_moe(meta, "Glm4MoeTopkRouter", absent_gating=gguf.ExpertGatingFuncType.SIGMOID),
         **({"head_dim": head_dim} if ATTN.KEY_LENGTH in meta else {}),
         "num_key_value_heads": meta.require(ATTN.HEAD_COUNT_KV),
         "attention_bias": facts.attention_bias,
