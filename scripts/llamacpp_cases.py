@@ -32,6 +32,7 @@ class Case:
     variant: str = ""  # tells apart cases of one arch and quant whose configs differ (e.g. "topk8")
     # also record llama.cpp's lightning-indexer choices (DeepSeek-V4's "lid_top_k-<layer>" nodes)
     record_indexer: bool = False
+    converter_args: tuple[str, ...] = ()  # extra convert_hf_to_gguf.py options
 
     @property
     def name(self) -> str:
@@ -141,6 +142,9 @@ CASES = [
     Case("ernie4_5_moe", "F32", NARROW),
     Case("hunyuan_v1_moe", "F32", NARROW),
     Case("minimax_m2", "F32", NARROW),
+    # 4 layers: three gated DeltaNet layers, then full attention. Qwen3-Next's converter insists on the
+    # checkpoint's MTP tensors unless told --no-mtp; a transformers checkpoint has none
+    Case("qwen3_next", "F32", NARROW, converter_args=("--no-mtp",)),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

@@ -158,6 +158,7 @@ def convert(paths: Paths) -> None:
     for case in {c.checkpoint: c for c in CASES}.values():
         paths.f32_gguf(case).parent.mkdir(parents=True, exist_ok=True)
         flags = [DSV4_DENSE_BF16_FLAG] if case.expert_format == "deepseek-v4-official" else []
+        flags += case.converter_args
         _run([sys.executable, __file__, "_convert", paths.llama_cpp, paths.hf(case), "--outfile",
               paths.f32_gguf(case), "--outtype", "f32", *flags], env=_vendored_env(paths))
 

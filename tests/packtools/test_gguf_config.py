@@ -49,6 +49,9 @@ ROUND_TRIPS = [
                  id="hunyuan-bias-tied-wide-heads"),
     pytest.param("minimax_m2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                     "partial_rotary_factor": 1.0}}, id="minimax-m2-full-rotary"),
+    pytest.param("qwen3_next", {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_value_heads": 2,
+                                "shared_expert_intermediate_size": 48},
+                 id="qwen3-next-alternating-one-value-head-per-key"),
 ]
 
 
@@ -90,6 +93,10 @@ REFUSED = [
     pytest.param("hunyuan_v1_moe", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
                  "rope_type", id="hunyuan-dynamic-rope"),
     pytest.param("minimax_m2", {"tie_word_embeddings": True}, "tie_word_embeddings", id="minimax-m2-tied"),
+    pytest.param("qwen3_next", {"attention_bias": True}, "attention_bias", id="qwen3-next-attention-bias"),
+    pytest.param("qwen3_next", {"norm_topk_prob": False}, "norm_topk_prob", id="qwen3-next-no-renorm"),
+    pytest.param("qwen3_next", {"linear_value_head_dim": 32}, "linear_value_head_dim", id="qwen3-next-wide-values"),
+    pytest.param("qwen3_next", {"mlp_only_layers": [1]}, "mlp_only_layers", id="qwen3-next-dense-layer"),
 ]
 
 
