@@ -32,6 +32,7 @@ class Case:
     variant: str = ""  # tells apart cases of one arch and quant whose configs differ (e.g. "topk8")
     # also record llama.cpp's lightning-indexer choices (DeepSeek-V4's "lid_top_k-<layer>" nodes)
     record_indexer: bool = False
+    converter_args: tuple[str, ...] = ()  # extra convert_hf_to_gguf.py options
 
     @property
     def name(self) -> str:
@@ -67,8 +68,30 @@ def _kimi_linear_keys(config: dict) -> dict:
     return {"linear_attn_config": linear, "first_k_dense_replace": 0, "moe_router_activation_func": "sigmoid"}
 
 
+# dots.llm1's config.json says "scoring_func": "sigmoid" (Dots1Config does not serialize it); the
+# converter writes it as expert_gating_func, which llama.cpp's dots1 graph needs
+def _dots1_keys(config: dict) -> dict:
+    return {"scoring_func": "sigmoid"}
+
+
+# Tencent's config.json states the MoE settings per layer (all equal), which the converter reads;
+# transformers' HunYuanMoEV1Config keeps the experts' width in intermediate_size and one shared MLP
+def _hunyuan_keys(config: dict) -> dict:
+    layers = config["num_hidden_layers"]
+    return {"moe_intermediate_size": [config["intermediate_size"]] * layers,
+            "moe_topk": [config["moe_topk"]] * layers, "num_shared_expert": [1] * layers}
+
+
+# MiniMax-M2's released config.json states "rotary_dim" and "scoring_func": "sigmoid", which the
+# converter reads; transformers' MiniMaxM2Config folds the first into rope_parameters, drops the second
+def _minimax_m2_keys(config: dict) -> dict:
+    rotary_dim = int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"])
+    return {"rotary_dim": rotary_dim, "scoring_func": "sigmoid"}
+
+
 CONVERTER_CONFIG_KEYS = {"deepseek_v3": _deepseek_v3_keys, "deepseek_v2": _deepseek_v2_keys,
-                         "kimi_linear": _kimi_linear_keys}
+                         "kimi_linear": _kimi_linear_keys, "dots1": _dots1_keys,
+                         "hunyuan_v1_moe": _hunyuan_keys, "minimax_m2": _minimax_m2_keys}
 # DeepSeek-V2-Lite's routing: plain top-k over all experts (the tiny default is V2 / V2.5's
 # group_limited_greedy). Its q_lora_rank stays: llama.cpp reads a missing q_lora_rank only in
 # 26/27-layer files, which it takes for V2-Lite by their depth.
@@ -114,6 +137,14 @@ CASES = [
     Case("deepseek_v2", "F32", NARROW, DEEPSEEK_V2_LITE_ROUTING, variant="greedy"),
     Case("gpt_oss", "F32", NARROW),
     Case("kimi_linear", "F32", NARROW),
+    Case("dots1", "F32", NARROW),
+    Case("glm4_moe", "F32", NARROW),
+    Case("ernie4_5_moe", "F32", NARROW),
+    Case("hunyuan_v1_moe", "F32", NARROW),
+    Case("minimax_m2", "F32", NARROW),
+    # 4 layers: three gated DeltaNet layers, then full attention. Qwen3-Next's converter insists on the
+    # checkpoint's MTP tensors unless told --no-mtp; a transformers checkpoint has none
+    Case("qwen3_next", "F32", NARROW, converter_args=("--no-mtp",)),
     Case("gpt_oss", "MXFP4_MOE", NARROW),
     Case("qwen3_moe", "Q4_K_S", WIDE),
     Case("mixtral", "Q3_K_S", WIDE),

@@ -158,6 +158,7 @@ def convert(paths: Paths) -> None:
     for case in {c.checkpoint: c for c in CASES}.values():
         paths.f32_gguf(case).parent.mkdir(parents=True, exist_ok=True)
         flags = [DSV4_DENSE_BF16_FLAG] if case.expert_format == "deepseek-v4-official" else []
+        flags += case.converter_args
         _run([sys.executable, __file__, "_convert", paths.llama_cpp, paths.hf(case), "--outfile",
               paths.f32_gguf(case), "--outtype", "f32", *flags], env=_vendored_env(paths))
 
@@ -183,12 +184,66 @@ def _convert_entry(llama_cpp: str, converter_args: list[str]) -> None:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = recognise_or_gpt2
+    _glm_vocab_or_gpt2(base)
+    _sentencepiece_vocab_or_gpt2()
     if DSV4_DENSE_BF16_FLAG in converter_args:
         converter_args = [a for a in converter_args if a != DSV4_DENSE_BF16_FLAG]
         _keep_dsv4_fp8_dense_bf16()
     script = str(Path(llama_cpp) / "convert_hf_to_gguf.py")
     sys.argv = [script, *converter_args]
     runpy.run_path(script, run_name="__main__")
+
+
+def _glm_vocab_or_gpt2(base) -> None:
+    """GLM's vocab step looks up GLM's own special tokens ([gMASK], <|user|>, <|observation|>) by
+    name; the synthetic tokenizer has none, so it writes the same byte-level BPE vocabulary the
+    generic GPT-2 way. Token ids, and so the comparison, are untouched; a real GLM tokenizer keeps
+    the converter's own path."""
+    glm_vocab = base.TextModel._set_vocab_glm
+
+    def glm_or_gpt2(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        if "[gMASK]" in AutoTokenizer.from_pretrained(self.dir_model).get_added_vocab():
+            return glm_vocab(self)
+        return self._set_vocab_gpt2()
+
+    base.TextModel._set_vocab_glm = glm_or_gpt2
+
+
+def _sentencepiece_vocab_or_gpt2() -> None:
+    """ERNIE-4.5's vocab step reads a SentencePiece tokenizer.model; the synthetic tokenizer is a
+    byte-level BPE tokenizer.json, which the converter writes the GPT-2 way (token ids unchanged).
+    A checkpoint with a tokenizer.model keeps the converter's own path."""
+    from conversion.ernie import Ernie4_5Model  # noqa: PLC0415  (only importable with the vendored paths)
+
+    ernie_vocab = Ernie4_5Model.set_vocab
+
+    def ernie_or_gpt2(self) -> None:
+        if (self.dir_model / "tokenizer.model").is_file():
+            return ernie_vocab(self)
+        return self._set_vocab_gpt2()
+
+    Ernie4_5Model.set_vocab = ernie_or_gpt2
+    _tiktoken_vocab_or_gpt2()
+
+
+def _tiktoken_vocab_or_gpt2() -> None:
+    """Hunyuan's vocab step rebuilds merges from Tencent's tiktoken tokenizer (`mergeable_ranks`)
+    and pins BOS to id 127959; the synthetic byte-level BPE tokenizer.json is written the GPT-2 way
+    (token ids unchanged). A tokenizer with mergeable_ranks keeps the converter's own path."""
+    from conversion.hunyuan import HunYuanMoEModel  # noqa: PLC0415
+
+    hunyuan_vocab = HunYuanMoEModel.set_vocab
+
+    def hunyuan_or_gpt2(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        if hasattr(AutoTokenizer.from_pretrained(self.dir_model), "mergeable_ranks"):
+            return hunyuan_vocab(self)
+        return self._set_vocab_gpt2()
+
+    HunYuanMoEModel.set_vocab = hunyuan_or_gpt2
 
 
 DSV4_DENSE_BF16_FLAG = "--dsv4-fp8-dense-as-bf16"

@@ -11,7 +11,7 @@ import dataclasses
 import gguf
 from transformers import PretrainedConfig
 
-from packtools.gguf.errors import UnrepresentableConfigError
+from packtools.gguf.errors import InvalidMetadataError, UnrepresentableConfigError
 from packtools.gguf.metadata import Metadata
 
 LLM, ATTN, ROPE = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope
@@ -33,6 +33,16 @@ class TensorFacts:
 # ---- reading (GGUF metadata -> config kwargs) ----
 def head_dim_or_default(meta: Metadata, kwargs: dict) -> int:
     return meta.get(ATTN.KEY_LENGTH, kwargs["hidden_size"] // kwargs["num_attention_heads"])
+
+
+def require_gating(meta: Metadata, gating: gguf.ExpertGatingFuncType, reason: str,
+                   absent: gguf.ExpertGatingFuncType | None = None) -> None:
+    """Refuse a file whose expert_gating_func is not the one the transformers router computes.
+    `absent`: what llama.cpp's graph reads when the key is missing (None: it has no default and aborts)."""
+    value = meta.get(LLM.EXPERT_GATING_FUNC, None if absent is None else int(absent))
+    if value != int(gating):
+        raise InvalidMetadataError(meta.path, meta.key(LLM.EXPERT_GATING_FUNC), value,
+                                   f"{reason} ({int(gating)}, {gating.name.lower()})")
 
 
 def read_mla(meta: Metadata, kwargs: dict) -> dict:

@@ -16,7 +16,7 @@ from packtools.gguf.errors import UnknownArchitectureError
 from packtools.gguf.gguf_arch import GGUFArch
 from packtools.gguf.metadata import Metadata, shortest_float
 
-__all__ = ["expert_hidden_width", "hf_config_kwargs"]
+__all__ = ["expert_hidden_width", "hf_config_kwargs", "mtp_blocks"]
 
 LLM, ATTN, ROPE, TOK = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope, gguf.Keys.Tokenizer
 LLAMA_CPP_DEFAULT_ROPE_THETA = 10000.0
@@ -28,7 +28,8 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
         "vocab_size": facts.vocab_size,
         "tie_word_embeddings": facts.tied_embeddings,
         "hidden_size": meta.require(LLM.EMBEDDING_LENGTH),
-        "num_hidden_layers": meta.require(LLM.BLOCK_COUNT),
+        # llama.cpp's blocks end with the multi-token-prediction layers, which are not decoder layers
+        "num_hidden_layers": meta.require(LLM.BLOCK_COUNT) - mtp_blocks(meta),
         "num_attention_heads": meta.require(ATTN.HEAD_COUNT),
         "max_position_embeddings": meta.require(LLM.CONTEXT_LENGTH),
         "rms_norm_eps": meta.require(ATTN.LAYERNORM_RMS_EPS),
@@ -39,6 +40,8 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
         "eos_token_id": meta.get(TOK.EOS_ID),
         "pad_token_id": meta.get(TOK.PAD_ID),
     }
+    if arch.mtp_layers_attr is not None:
+        kwargs[arch.mtp_layers_attr] = mtp_blocks(meta)
     if arch.dense_ffn:
         kwargs["intermediate_size"] = meta.require(LLM.FEED_FORWARD_LENGTH)
     if arch.norm_topk_attr is not None:
@@ -48,6 +51,11 @@ def hf_config_kwargs(meta: Metadata, arch: GGUFArch, facts: TensorFacts) -> dict
         kwargs["rope_parameters"] = rope
     kwargs.update(arch.read_config(meta, facts, kwargs))
     return kwargs
+
+
+def mtp_blocks(meta: Metadata) -> int:
+    """How many of the file's blocks, the last ones, are multi-token-prediction layers."""
+    return meta.get(LLM.NEXTN_PREDICT_LAYERS, 0)
 
 
 def _rope_parameters(meta: Metadata, arch: GGUFArch) -> dict | None:

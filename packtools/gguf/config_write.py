@@ -35,7 +35,12 @@ def write_config_kv(writer: gguf.GGUFWriter, config: PretrainedConfig) -> GGUFAr
     if arch.ffn_act is not None and config.hidden_act != arch.ffn_act:
         refuse(config, "hidden_act", config.hidden_act, "llama.cpp's MoE graphs use SiLU-gated FFNs"
                if arch.ffn_act == "silu" else f"llama.cpp's {arch.gguf_name} graph uses {arch.ffn_act}")
-    writer.add_block_count(config.num_hidden_layers)
+    mtp = (getattr(config, arch.mtp_layers_attr) or 0) if arch.mtp_layers_attr is not None else 0
+    # as llama.cpp's converter: the MTP layers are blocks after the decoder layers; a transformers
+    # model has no weights for them, so the file has none (llama.cpp runs such a file without MTP)
+    writer.add_block_count(config.num_hidden_layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)

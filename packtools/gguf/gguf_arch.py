@@ -60,6 +60,9 @@ class GGUFArch:
     special_dense_rule: SpecialDenseRule | None = None  # tensors the converter transforms
     # archs gguf-py lacks (no TensorNameMap): every dense tensor's rule, from the arch's own table
     own_dense_rule: Callable[[PretrainedConfig, str], DenseRule] | None = None
+    # config attribute counting the multi-token-prediction layers llama.cpp's converter appends as
+    # extra blocks (nextn_predict_layers); None: the arch's GGUFs have none
+    mtp_layers_attr: str | None = None
 
     def __post_init__(self) -> None:
         if self.gguf_arch is None and self.arch_name is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from packtools.arch import get_arch
 from packtools.gguf.archs import arch_for_gguf
 from packtools.gguf.config_parts import TensorFacts
-from packtools.gguf.config_read import expert_hidden_width, hf_config_kwargs
+from packtools.gguf.config_read import expert_hidden_width, hf_config_kwargs, mtp_blocks
 from packtools.gguf.dense import meta_model_state, plan_dense
 from packtools.gguf.errors import ExpertLayoutError, TensorMappingError
 from packtools.gguf.experts import find_expert_tensors, role_slice, validate_experts
@@ -35,6 +36,22 @@ _OUTPUT = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
 _ATTN_Q_BIAS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias"
 _SHEXP_GATE = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_SHEXP] + ".weight"
 _SELECTION_BIAS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_EXP_PROBS_B] + ".bias"
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def split_mtp_blocks(tensors: dict, first_mtp_block: int) -> tuple[dict, list[str]]:
+    """(the decoder's tensors, the names of the multi-token-prediction blocks' tensors).
+
+    transformers' models have no MTP module (their loaders drop these checkpoint keys too), so a
+    bundle holds the decoder only; the names left out are recorded in the bundle's source identity."""
+    kept, left_out = {}, []
+    for name, location in tensors.items():
+        match = _BLOCK.match(name)
+        if match and int(match.group(1)) >= first_mtp_block:
+            left_out.append(name)
+        else:
+            kept[name] = location
+    return kept, sorted(left_out)
 
 
 class GGUFSource:
@@ -46,8 +63,8 @@ class GGUFSource:
         fields = self._shards[0].reader.fields
         architecture = Metadata(self.path, fields).require(gguf.Keys.General.ARCHITECTURE)
         self.meta = Metadata(self.path, fields, architecture)
-        self._tensors = index_tensors(self._shards)
-        block_count = self.meta.get(LLM.BLOCK_COUNT, 0)
+        block_count = self.meta.get(LLM.BLOCK_COUNT, 0) - mtp_blocks(self.meta)
+        self._tensors, self._mtp_tensors = split_mtp_blocks(index_tensors(self._shards), block_count)
         self.arch = arch_for_gguf(
             self.path, architecture,
             expert_count=self.meta.get(LLM.EXPERT_COUNT, 0), gating_func=self.meta.get(LLM.EXPERT_GATING_FUNC),
@@ -132,7 +149,10 @@ class GGUFSource:
             header = shard.reader.data[: shard.reader.data_offset]  # header, metadata, tensor infos, padding
             digest = hashlib.sha256(header).hexdigest()
             files.append({"name": shard.path.name, "size": shard.size, "header_sha256": digest})
-        return {"files": files, "hashed": "bytes before the tensor data: header, metadata and tensor infos"}
+        identity = {"files": files, "hashed": "bytes before the tensor data: header, metadata and tensor infos"}
+        if self._mtp_tensors:
+            identity["mtp_tensors_left_out"] = self._mtp_tensors
+        return identity
 
     def close(self) -> None:
         for fd in self._fds.values():

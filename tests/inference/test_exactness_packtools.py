@@ -54,6 +54,12 @@ GGUF_EXPERT_TYPE = {
     "deepseek_v2": ("Q4_K", WIDE),
     "kimi_linear": ("Q8_0", {}),
     "gpt_oss": ("MXFP4", {}),  # GGUF layout: split out_in gate/up/down, F32 biases
+    "dots1": ("Q5_0", {}),
+    "glm4_moe": ("Q3_K", WIDE),
+    "ernie4_5_moe": ("Q2_K", WIDE),
+    "hunyuan_v1_moe": ("Q4_1", {}),
+    "minimax_m2": ("Q5_1", {}),
+    "qwen3_next": ("Q8_0", {}),
 }
 GGUF_CASES = [(arch, *GGUF_EXPERT_TYPE.get(arch, ("Q8_0", {})))
               for arch, record in sorted(ARCHITECTURES.items()) if record.gguf_writable]

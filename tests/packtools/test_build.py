@@ -243,7 +243,9 @@ def test_gguf_build(tmp_path, arch, expert_type, sizes, split):
 
     # the model the GGUF was written from is the golden for dense weights and for the config
     original = tiny_random_model(arch, seed=11, **sizes)
-    assert_dense_matches(bundle, original.state_dict(), tied_keys(original), loose=("A_log",))
+    # A_log and qwen3_next's (1 + weight) norms are stored transformed: their way back costs rounding
+    loose = ("A_log",) + (("layernorm.weight", "_norm.weight", "model.norm.weight") if arch == "qwen3_next" else ())
+    assert_dense_matches(bundle, original.state_dict(), tied_keys(original), loose=loose)
     config = json.loads((bundle / "config.json").read_text())
     with torch.device("meta"):
         rebuilt = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))

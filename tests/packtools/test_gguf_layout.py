@@ -82,7 +82,8 @@ def test_swiglu_experts_split_gate_and_up(written, arch):
         w.check(blk + "ffn_gate_exps.weight", gate_up[:, :inter])
         w.check(blk + "ffn_up_exps.weight", gate_up[:, inter:])
         w.check(blk + "ffn_down_exps.weight", w.hf(hf + "experts.down_proj"))
-        w.check(blk + "ffn_gate_inp.weight", w.hf(hf + "gate.weight"))
+        router = hf + ("gate.wg.weight" if hf + "gate.wg.weight" in w.state else "gate.weight")  # hunyuan: gate.wg
+        w.check(blk + "ffn_gate_inp.weight", w.hf(router))
 
 
 def test_gpt_oss_experts_deinterleaved_with_biases(written):
