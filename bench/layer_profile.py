@@ -378,7 +378,7 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(FULL_SHAPES), default="qwen3")
     parser.add_argument("--tiny", action="store_true", help="the CPU smoke-test size of the shape")
@@ -410,7 +410,11 @@ def main(argv=None) -> int:
     if args.budget < 1 and {"resident", "llamacpp"} & set(args.modes):
         parser.error("--budget < 1 is for storaged's modes: resident and llamacpp hold every expert (llama.cpp at a "
                      "budget, with host RAM limited, is bench/e2e's matrix)")
-    results = run(args)
+    return args
+
+
+def main(argv=None) -> int:
+    results = run(parse_args(argv))
     print(report(results))
     return 0
 

@@ -1,0 +1,45 @@
+"""bench/layer_profile.py: its flags are honoured or refused, and a budgeted run on the CPU (tiny
+shape, a real daemon) reports the partial-hit regime's figures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # bench/ is a directory of scripts, not an installed package
+
+from bench import layer_profile  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "--budget must be in (0, 1], got 0.0"),
+    (["--budget", "1.5"], "--budget must be in (0, 1], got 1.5"),
+    (["--budget", "0.5", "--modes", "llamacpp"], "--budget < 1 is for storaged's modes"),
+    (["--budget", "0.5", "--modes", "resident"], "--budget < 1 is for storaged's modes"),
+    (["--host-budget", "0.5"], "--host-budget 0.5: must be in [0, 1], with --budget < 1"),
+    (["--budget", "0.5", "--host-budget", "2"], "--host-budget 2.0: must be in [0, 1]"),
+], ids=["zero budget", "budget above 1", "llamacpp below 100%", "resident below 100%",
+        "host budget at 100%", "host budget above 1"])
+def test_bad_flags_are_refused_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        layer_profile.parse_args(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a tiny model built and decoded through a real daemon: about a minute on 2 cores
+def test_a_budgeted_cpu_run_reports_hits_and_traffic(tmp_path):
+    results = layer_profile.run(layer_profile.parse_args([
+        "--tiny", "--device", "cpu", "--layers", "2", "--modes", "storaged-eager", "--tokens", "3", "--prompt-len", "8",
+        "--profile-steps", "1", "--budget", "0.5", "--lookahead", "0", "--decode", "sample", "--workdir", str(tmp_path)]))
+    record = results["modes"]["storaged-eager"]
+    assert "error" not in record, record.get("error")
+    assert results["budget"] == 0.5 and record["budget"] == 0.5 and record["lookahead"] == 0
+    assert 0 <= record["vram_hit_rate"] < 1  # half the experts: some lookups miss
+    assert record["bytes_read_per_token"] >= 0 and record["reads_per_token"] >= 0
+    assert "expertpack_experts_forward" in record["host_profile"]
+    assert "VRAM hit rate" in layer_profile.report(results)
+
