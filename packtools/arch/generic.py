@@ -1,0 +1,204 @@
+"""Architecture records made, not written: one per model_type whose experts take transformers'
+experts interface (`@use_experts_implementation`).
+
+`generic_architecture(model_type)` builds the model of the type's tiny config (packtools.arch.
+tiny_generic) on the meta device, finds its experts modules (packtools.arch.generic_spec) and reads
+the layout from their flags and parameters: SwiGLU-style `gate_up_proj` [E, 2I, H] (gate rows first)
+with `down_proj` [E, H, I], or `up_proj` [E, I, H] alone when the experts have no gate. Those bytes
+are packed verbatim and the inference client computes with them through the same module (its own
+activation and gate), so nothing about the activation has to be known here. Checkpoint names come
+from transformers' conversion mapping of that model: the per-expert tensors its converters merge
+(`experts.*.gate_proj.weight` ...) and the blocks its renamings map onto the runtime one
+(`block_sparse_moe` -> `mlp`).
+
+Before a record is made, the experts module's own forward is run against transformers' generic
+batched experts forward (float64, random weights and routing): a model whose experts compute
+anything else (extra scales, zero experts, other gating) is refused, since the expertpack forward
+implements the interface, not the model's code. Every refusal is an `UnsupportedArchitecture`
+naming the model type and the reason; the registry prefers a written module
+(packtools.arch.models) whenever one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming
+from transformers.integrations.moe import batched_mm_experts_forward
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from packformat.constants import Role
+from packtools.arch.errors import UnsupportedArchitecture
+from packtools.arch.generic_spec import ExpertsNotFound, GenericSpec, ModelExperts, model_experts, sparse_layers
+from packtools.arch.group_routing import check_groups
+from packtools.arch.parts import SWIGLU_FUSED, SWIGLU_LAYOUT
+from packtools.arch.record import Architecture
+from packtools.arch.spec import ArchSpec, FusedPart
+from packtools.arch.tiny import TinySize, tiny_config_kwargs
+from packtools.arch.tiny_generic import TOP_K_KEYS, TinyConfigError, shrink_kwargs
+from packtools.sources.base import ExpertLayout
+
+UP_DOWN_LAYOUT = ExpertLayout(roles=(Role.UP, Role.DOWN), orientation="out_in", gate_up="concat")
+UP_DOWN_FUSED = {"up_proj": FusedPart((Role.UP,)), "down_proj": FusedPart((Role.DOWN,))}
+_PART_IN_PATTERN = re.compile(r"experts\\?\.\*\\?\.(\w+)\\?\.weight$")
+_PROBE_SIZE = TinySize(hidden_size=64, num_layers=2, num_experts=8, top_k=2, moe_intermediate_size=32,
+                       vocab_size=512)
+
+
+def tiny_model_config(model_type: str, size: TinySize) -> PretrainedConfig:
+    return AutoConfig.for_model(model_type, **tiny_config_kwargs(functools.partial(shrink_kwargs, model_type), size))
+
+
+def _refuse(model_type: str, reason: str) -> UnsupportedArchitecture:
+    return UnsupportedArchitecture(model_type, reason)
+
+
+def _meta_model(model_type: str, config: PretrainedConfig) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers' own error, whatever it is, is the reason
+        raise _refuse(model_type, f"its tiny model does not build: {type(exc).__name__}: {exc}") from exc
+
+
+def _layout(model_type: str, module: torch.nn.Module) -> tuple[ExpertLayout, dict[str, FusedPart]]:
+    flags = {flag: bool(getattr(module, flag, False)) for flag in ("has_gate", "has_bias", "is_transposed")}
+    flags["is_concatenated"] = bool(getattr(module, "is_concatenated", True))
+    params = {name for name, _ in module.named_parameters(recurse=False)}
+    if flags["has_bias"] or flags["is_transposed"] or not flags["is_concatenated"]:
+        raise _refuse(model_type, f"experts flags {flags}: only untransposed, bias-free experts with gate rows "
+                                  "before up rows are read generically (gpt_oss has its own module)")
+    layout, fused = (SWIGLU_LAYOUT, SWIGLU_FUSED) if flags["has_gate"] else (UP_DOWN_LAYOUT, UP_DOWN_FUSED)
+    if params != set(fused):
+        raise _refuse(model_type, f"experts parameters {sorted(params)}, expected exactly {sorted(fused)}")
+    return layout, fused
+
+
+def _probe_forward(model_type: str, module: torch.nn.Module, found: ModelExperts) -> None:
+    """Refuse experts whose own forward is not the interface's arithmetic (float64, random weights)."""
+    original = getattr(type(module).forward, "__wrapped__", None)
+    if original is None:
+        raise _refuse(model_type, f"{type(module).__name__}.forward does not dispatch through the experts interface")
+    generator = torch.Generator().manual_seed(0)
+    probe = module.to_empty(device="cpu").to(torch.float64)
+    with torch.no_grad():
+        for _, param in probe.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.2)
+    tokens, top_k = 6, 2
+    hidden = torch.randn(tokens, found.hidden, generator=generator, dtype=torch.float64)
+    index = torch.stack([torch.randperm(found.num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            own = original(probe, hidden, index, weights)
+            interface = batched_mm_experts_forward(probe, hidden, index, weights)
+    except Exception as exc:
+        raise _refuse(model_type, f"its experts forward cannot be probed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(own, torch.Tensor) or own.shape != interface.shape or not torch.allclose(
+            own, interface, rtol=1e-9, atol=1e-9):
+        raise _refuse(model_type, f"{type(module).__name__}'s forward computes something other than the experts "
+                                  "interface's gate_up -> gate -> down, weighted sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointNames:
+    """How routed expert tensors are named in checkpoints, read from transformers' conversion mapping."""
+
+    blocks: tuple[str, ...]  # between "layers.N." and ".experts": the runtime block first, then renamed ones
+    prefixes: tuple[str, ...]  # before "layers.N.": "model.", renamed roots ("backbone."), ""
+    per_expert: dict[str, Role]  # per-expert part merged on load -> role
+    aliases: dict[str, str]  # whole fused tensor renamed on load: name after "layers.N." -> runtime part
+
+
+def _renamed(renamings: list[WeightRenaming], name: str) -> str:
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
+
+def _checkpoint_names(model: torch.nn.Module, container: str, fused: dict[str, FusedPart]) -> CheckpointNames:
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    per_expert: dict[str, Role] = {}
+    for converter in (t for t in transforms if isinstance(t, WeightConverter)):
+        targets = converter.target_patterns
+        target = (targets[0] if len(targets) == 1 else "").replace("\\", "")
+        part = next((p for p in fused if target.endswith(f"experts.{p}")), None)
+        names = [m.group(1) for m in map(_PART_IN_PATTERN.search, converter.source_patterns) if m]
+        if part is not None and len(names) == len(converter.source_patterns) == fused[part].splits:
+            per_expert.update(zip(names, fused[part].roles))
+    aliases: dict[str, str] = {}
+    for renaming in renamings:
+        target = renaming.target_patterns[0].replace("\\", "") if len(renaming.target_patterns) == 1 else ""
+        part = next((p for p in fused if target == f"{container}.experts.{p}"), None)
+        source = renaming.source_patterns[0] if len(renaming.source_patterns) == 1 else ""
+        if part is not None and re.fullmatch(r"(?:\w+\\\.)+\w+", source):
+            aliases[source.replace("\\", "")] = part
+    # candidate words: every identifier the renamings match; kept where they rename onto ours
+    words = sorted({w for t in renamings for p in t.source_patterns for w in re.findall(r"[A-Za-z_]\w*", p)})
+    runtime = f"model.layers.0.{container}.experts.0.x.weight"
+    blocks = [container] + [w for w in words if w != container
+                            and _renamed(renamings, f"model.layers.0.{w}.experts.0.x.weight") == runtime]
+    roots = [f"{w}." for w in words if w != "model" and _renamed(renamings, f"{w}.layers.0.{container}.experts.0."
+                                                                           "x.weight") == runtime]
+    return CheckpointNames(tuple(blocks), ("model.", *roots, ""), per_expert, aliases)
+
+
+def _top_k_key(model_type: str, config: PretrainedConfig) -> str:
+    for key in TOP_K_KEYS:
+        if isinstance(getattr(config, key, None), int):
+            return key
+    raise _refuse(model_type, f"its config names top-k by none of {TOP_K_KEYS}")
+
+
+def _check_groups(config: PretrainedConfig, spec: ArchSpec) -> None:
+    # group-limited routers of the interface's model types score a group by its two best experts
+    # (DeepSeek-V3's rule); a config without groups routes over all experts
+    if isinstance(getattr(config, "n_group", None), int) and isinstance(getattr(config, "topk_group", None), int):
+        check_groups(config, spec, group_key="n_group", min_group_size=2)
+
+
+def generic_architecture(model_type: str) -> Architecture:
+    """The record of `model_type` made from its transformers model; UnsupportedArchitecture if none can be."""
+    if model_type not in CONFIG_MAPPING:
+        raise _refuse(model_type, "transformers has no config class for it")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise _refuse(model_type, "transformers has no causal-LM model for it (AutoModelForCausalLM)")
+    try:
+        config = tiny_model_config(model_type, _PROBE_SIZE)
+    except TinyConfigError as exc:
+        raise _refuse(model_type, str(exc).partition(": ")[2]) from exc
+    except Exception as exc:
+        raise _refuse(model_type, f"its shrunk config is invalid: {type(exc).__name__}: {exc}") from exc
+    model = _meta_model(model_type, config)
+    try:
+        found = model_experts(model)
+    except ExpertsNotFound as exc:
+        raise _refuse(model_type, str(exc)) from exc
+    layout, fused = _layout(model_type, found.module)
+    names = _checkpoint_names(model, found.container, fused)
+    _probe_forward(model_type, found.module, found)
+    spec = GenericSpec(
+        model_type=model_type,
+        layout=layout,
+        num_experts_attr=next((k for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                               if isinstance(getattr(config, k, None), int)), "num_experts"),
+        moe_intermediate_attr="moe_intermediate_size" if hasattr(config, "moe_intermediate_size")
+        else "intermediate_size",
+        moe_layer_rule=sparse_layers,
+        containers=names.blocks,
+        per_expert_parts=names.per_expert,
+        fused_parts=fused,
+        fused_aliases=names.aliases,
+        checkpoint_prefixes=names.prefixes,
+        top_k_attr=_top_k_key(model_type, config),
+        notes=f"generic: {type(found.module).__name__} through transformers' experts interface",
+    )
+    return Architecture(spec=spec, tiny=functools.partial(shrink_kwargs, model_type), check_routing=_check_groups)
