@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from pathlib import Path
 
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
@@ -43,6 +44,10 @@ from packtools.arch.tiny import TinySize, tiny_config_kwargs
 from packtools.arch.tiny_generic import TOP_K_KEYS, TinyConfigError, shrink_kwargs
 from packtools.sources.base import ExpertLayout
 
+# is_transposed: gate_up_proj [E, H, 2I] (gate columns first), down_proj [E, I, H]; a gate/up split
+# would cut every row, so the fused weight is one role, computed as x @ W
+TRANSPOSED_LAYOUT = ExpertLayout(roles=(Role.GATE_UP, Role.DOWN), orientation="in_out", gate_up="concat")
+TRANSPOSED_FUSED = {"gate_up_proj": FusedPart((Role.GATE_UP,)), "down_proj": FusedPart((Role.DOWN,))}
 UP_DOWN_LAYOUT = ExpertLayout(roles=(Role.UP, Role.DOWN), orientation="out_in", gate_up="concat")
 UP_DOWN_FUSED = {"up_proj": FusedPart((Role.UP,)), "down_proj": FusedPart((Role.DOWN,))}
 _PART_IN_PATTERN = re.compile(r"experts\\?\.\*\\?\.(\w+)\\?\.weight$")
@@ -72,10 +77,13 @@ def _layout(model_type: str, module: torch.nn.Module) -> tuple[ExpertLayout, dic
     flags = {flag: bool(getattr(module, flag, False)) for flag in ("has_gate", "has_bias", "is_transposed")}
     flags["is_concatenated"] = bool(getattr(module, "is_concatenated", True))
     params = {name for name, _ in module.named_parameters(recurse=False)}
-    if flags["has_bias"] or flags["is_transposed"] or not flags["is_concatenated"]:
-        raise _refuse(model_type, f"experts flags {flags}: only untransposed, bias-free experts with gate rows "
-                                  "before up rows are read generically (gpt_oss has its own module)")
-    layout, fused = (SWIGLU_LAYOUT, SWIGLU_FUSED) if flags["has_gate"] else (UP_DOWN_LAYOUT, UP_DOWN_FUSED)
+    if flags["has_bias"] or not flags["is_concatenated"] or flags["is_transposed"] and not flags["has_gate"]:
+        raise _refuse(model_type, f"experts flags {flags}: only bias-free experts with gate before up (or no "
+                                  "gate, untransposed) are read generically (gpt_oss has its own module)")
+    if flags["is_transposed"]:
+        layout, fused = TRANSPOSED_LAYOUT, TRANSPOSED_FUSED
+    else:
+        layout, fused = (SWIGLU_LAYOUT, SWIGLU_FUSED) if flags["has_gate"] else (UP_DOWN_LAYOUT, UP_DOWN_FUSED)
     if params != set(fused):
         raise _refuse(model_type, f"experts parameters {sorted(params)}, expected exactly {sorted(fused)}")
     return layout, fused
@@ -126,6 +134,7 @@ def _renamed(renamings: list[WeightRenaming], name: str) -> str:
 def _checkpoint_names(model: torch.nn.Module, container: str, fused: dict[str, FusedPart]) -> CheckpointNames:
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    block = f"{container}." if container else ""  # gemma4_text: model.layers.N.experts
     per_expert: dict[str, Role] = {}
     for converter in (t for t in transforms if isinstance(t, WeightConverter)):
         targets = converter.target_patterns
@@ -137,18 +146,27 @@ def _checkpoint_names(model: torch.nn.Module, container: str, fused: dict[str, F
     aliases: dict[str, str] = {}
     for renaming in renamings:
         target = renaming.target_patterns[0].replace("\\", "") if len(renaming.target_patterns) == 1 else ""
-        part = next((p for p in fused if target == f"{container}.experts.{p}"), None)
+        part = next((p for p in fused if target == f"{block}experts.{p}"), None)
         source = renaming.source_patterns[0] if len(renaming.source_patterns) == 1 else ""
         if part is not None and re.fullmatch(r"(?:\w+\\\.)+\w+", source):
             aliases[source.replace("\\", "")] = part
     # candidate words: every identifier the renamings match; kept where they rename onto ours
     words = sorted({w for t in renamings for p in t.source_patterns for w in re.findall(r"[A-Za-z_]\w*", p)})
-    runtime = f"model.layers.0.{container}.experts.0.x.weight"
+    runtime = f"model.layers.0.{block}experts.0.x.weight"
     blocks = [container] + [w for w in words if w != container
                             and _renamed(renamings, f"model.layers.0.{w}.experts.0.x.weight") == runtime]
-    roots = [f"{w}." for w in words if w != "model" and _renamed(renamings, f"{w}.layers.0.{container}.experts.0."
-                                                                           "x.weight") == runtime]
+    roots = [f"{w}." for w in words
+             if w != "model" and _renamed(renamings, f"{w}.layers.0.{block}experts.0.x.weight") == runtime]
     return CheckpointNames(tuple(blocks), ("model.", *roots, ""), per_expert, aliases)
+
+
+def _refuse_splits(model_type: str, model: torch.nn.Module) -> None:
+    # packtools' dense reader (packtools.arch.hf_names) makes each runtime tensor from one checkpoint
+    # tensor or merges several into one; it cannot split one into several
+    for converter in get_model_conversion_mapping(model):
+        if isinstance(converter, WeightConverter) and len(converter.target_patterns) > 1:
+            raise _refuse(model_type, f"transformers splits checkpoint tensor {converter.source_patterns} into "
+                                      f"{converter.target_patterns} on load; packtools' dense reader cannot split")
 
 
 def _top_k_key(model_type: str, config: PretrainedConfig) -> str:
@@ -184,6 +202,7 @@ def generic_architecture(model_type: str) -> Architecture:
         raise _refuse(model_type, str(exc)) from exc
     layout, fused = _layout(model_type, found.module)
     names = _checkpoint_names(model, found.container, fused)
+    _refuse_splits(model_type, model)
     _probe_forward(model_type, found.module, found)
     spec = GenericSpec(
         model_type=model_type,
@@ -202,3 +221,15 @@ def generic_architecture(model_type: str) -> Architecture:
         notes=f"generic: {type(found.module).__name__} through transformers' experts interface",
     )
     return Architecture(spec=spec, tiny=functools.partial(shrink_kwargs, model_type), check_routing=_check_groups)
+
+
+def experts_interface_model_types() -> list[str]:
+    """Every model_type transformers has a causal-LM model for whose modeling module marks an experts
+    class with @use_experts_implementation (read from the installed transformers' source files)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    models = Path(transformers.__file__).parent / "models"
+    marked = {path.parent.name for path in models.glob("*/modeling_*.py")
+              if "@use_experts_implementation" in path.read_text(encoding="utf-8")}
+    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if model_type_to_module_name(t) in marked)

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from packformat.constants import Role
 from packtools.arch.spec import ArchSpec, ExpertKey
 
-_EXPERTS_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<container>[A-Za-z_][\w.]*)\.experts$")
+# the block between the layer and its experts may be absent (gemma4_text: model.layers.N.experts)
+_EXPERTS_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:(?P<container>[A-Za-z_][\w.]*)\.)?experts$")
 _CACHE_SIZE = 8
 
 
@@ -55,11 +56,11 @@ def model_experts(model: torch.nn.Module) -> ModelExperts:
             continue
         match = _EXPERTS_NAME.match(name)
         if match is None:
-            raise ExpertsNotFound(f"an experts module at {name!r}, not at model.layers.<n>.<block>.experts")
+            raise ExpertsNotFound(f"an experts module at {name!r}, not at model.layers.<n>[.<block>].experts")
         layer = int(match["layer"])
         if layer in found:
             raise ExpertsNotFound(f"two experts modules in layer {layer}: {found[layer][0]!r} and {name!r}")
-        found[layer] = (match["container"], module)
+        found[layer] = (match["container"] or "", module)
     if not found:
         raise ExpertsNotFound("no module of the model uses transformers' experts interface")
     containers = {container for container, _ in found.values()}
@@ -131,5 +132,36 @@ class GenericSpec(ArchSpec):
         aliases = "|".join(re.escape(a) for a in sorted(self.fused_aliases, key=len, reverse=True))
         return re.compile(rf"^(?:{self._prefix_pattern()})layers\.(?P<layer>\d+)\.(?P<alias>{aliases})$")
 
+    def _container_pattern(self) -> str:
+        # ArchSpec's patterns put the block between "layers\.N\." and "\.experts": an absent block
+        # ("") leaves "layers.N.experts", so the dot before "experts" goes with the block
+        named = "|".join(re.escape(c) for c in self.containers if c)
+        if "" not in self.containers:
+            return named
+        return f"(?:{named})" if named else ""
+
+    @property
+    def fused_regex(self) -> re.Pattern[str]:
+        return re.compile(self._fix_empty_block(super().fused_regex.pattern))
+
+    @property
+    def per_expert_regex(self) -> re.Pattern[str] | None:
+        pattern = super().per_expert_regex
+        return None if pattern is None else re.compile(self._fix_empty_block(pattern.pattern))
+
+    def _fix_empty_block(self, pattern: str) -> str:
+        if "" not in self.containers:
+            return pattern
+        block = self._container_pattern()
+        return pattern.replace(rf"\.(?:{block})\.experts\.", rf"\.(?:{block}\.)?experts\." if block else r"\.experts\.")
+
+    def _block(self, container: str) -> str:
+        return f"{container}." if container else ""
+
+    def per_expert_key(self, layer: int, expert: int, role: Role, suffix: str = "weight") -> str:
+        part = next(name for name, r in self.per_expert_parts.items() if r == role)
+        return (f"{self.checkpoint_prefixes[0]}layers.{layer}.{self._block(self.containers[0])}experts.{expert}."
+                f"{part}.{suffix}")
+
     def fused_key(self, layer: int, part: str) -> str:
-        return f"model.layers.{layer}.{self.containers[0]}.experts.{part}"
+        return f"model.layers.{layer}.{self._block(self.containers[0])}experts.{part}"

@@ -69,6 +69,25 @@ def get_architecture(model_type: str) -> Architecture:
     return found
 
 
+def coverage() -> dict[str, Architecture | UnknownArchitectureError]:
+    """Every model_type packtools has a module for or transformers marks as using its experts
+    interface -> its record, or the error that refuses it (generic records are made here)."""
+    from packtools.arch.generic import experts_interface_model_types
+
+    found: dict[str, Architecture | UnknownArchitectureError] = {}
+    for model_type in sorted(set(ARCHITECTURES) | set(experts_interface_model_types())):
+        try:
+            found[model_type] = get_architecture(model_type)
+        except UnknownArchitectureError as exc:
+            found[model_type] = exc
+    return found
+
+
+def supported_model_types() -> list[str]:
+    """The model_types packtools builds and serves: a module of their own or a generic record."""
+    return [t for t, record in coverage().items() if isinstance(record, Architecture)]
+
+
 def get_arch(model_type: str) -> ArchSpec:
     """The Hugging Face side of the architecture (its record's spec)."""
     return get_architecture(model_type).spec

@@ -20,10 +20,12 @@ from packtools.arch.tiny import NUM_ATTENTION_HEADS, NUM_KEY_VALUE_HEADS, TinySi
 
 MAX_TINY_LAYERS = 8  # a per-layer pattern needing more layers to show every kind is cut here
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token", "experts_per_token")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token", "experts_per_token",
+              "top_k_experts")
+MOE_SWITCHES = ("enable_moe_block",)  # configs whose experts are off by default (gemma4_text)
 GROUP_KEYS = (("n_group", "topk_group"), ("num_expert_group", "topk_group"))
 DENSE_WIDTH_KEYS = ("intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
-                    "shared_intermediate_size", "dense_intermediate_size")
+                    "shared_intermediate_size", "dense_intermediate_size", "shared_experts_intermediate_size")
 # multi-head latent attention, DSA indexers, linear attention and Mamba mixers: small, consistent
 NARROW = {
     "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16,
@@ -33,7 +35,9 @@ NARROW = {
     "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 8,
     "mamba_n_groups": 1, "n_groups": 1, "mamba_chunk_size": 16, "chunk_size": 16,
     "router_hidden_size": 16, "num_nextn_predict_layers": 0,
+    "swa_num_attention_heads": NUM_ATTENTION_HEADS, "swa_head_dim": 16, "hidden_size_per_layer_input": 16,
 }
+VOCAB_KEYS = ("vocab_size_per_layer_input",)  # per-layer token embeddings (gemma4_text)
 # Mamba heads follow from the width: heads * head_dim = expand * hidden
 MAMBA_HEADS = (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("mamba_num_heads", "mamba_head_dim", "expand"))
 PER_LAYER_SKIP = ("layer_types_pattern",)
@@ -135,6 +139,12 @@ def shrink_kwargs(model_type: str, size: TinySize) -> dict:
     for key in TOP_K_KEYS:
         if key in defaults and (defaults[key] is None or _int(defaults[key])):
             out[key] = size.top_k
+    for key in VOCAB_KEYS:
+        if _int(defaults.get(key)):
+            out[key] = size.vocab_size
+    for key in MOE_SWITCHES:
+        if defaults.get(key) is False:
+            out[key] = True
     if "n_shared_experts" in defaults and defaults["n_shared_experts"] is None:
         out["n_shared_experts"] = 1
     for group_key, keep_key in GROUP_KEYS:

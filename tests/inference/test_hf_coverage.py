@@ -1,0 +1,65 @@
+"""Every MoE model type packtools serves, through a Hugging Face checkpoint: `packtools build`
+packs it and its greedy tokens equal plain transformers' (float32 on CPU; bfloat16 on CUDA with
+the gpu mark). The types are every written module's plus every type whose transformers model marks
+its experts with @use_experts_implementation; one the generic path refuses must be refused by a
+typed error naming it. scripts/moe_coverage.py runs the same checks to write docs/inference.md's
+table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_coverage import ReferenceFails, build, greedy_identical
+
+from packtools.arch import ARCHITECTURES
+from packtools.arch.errors import UnsupportedArchitecture
+from packtools.arch.generic import experts_interface_model_types
+from packtools.arch.registry import get_architecture
+
+CANDIDATES = sorted(set(ARCHITECTURES) | set(experts_interface_model_types()))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _served_or_refused(model_type: str) -> bool:
+    """True when served; for a refused type, checks the refusal names it and says why."""
+    try:
+        get_architecture(model_type)
+    except UnsupportedArchitecture as exc:
+        assert exc.model_type == model_type and repr(model_type) in str(exc) and exc.reason
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", CANDIDATES)
+def test_hf_checkpoint_builds_and_float32_greedy_tokens_equal_transformers(model_type, tmp_path):
+    if not _served_or_refused(model_type):
+        return
+    try:
+        greedy_identical(model_type, tmp_path)
+    except ReferenceFails as exc:
+        pytest.skip(f"{model_type}: {exc}")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe_lite", "granitemoe", "nemotron_h"])
+def test_hf_checkpoint_builds(model_type, tmp_path):
+    """The fast loop's sample: a written module, the generic path, fused tensors renamed on load
+    (granitemoe), experts without a gate under a renamed root (nemotron_h)."""
+    bundle = build(model_type, tmp_path)
+    assert (bundle / "manifest.json").exists()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("model_type", CANDIDATES)
+def test_bfloat16_greedy_tokens_on_cuda_equal_transformers(model_type, tmp_path):
+    if not _served_or_refused(model_type):
+        return
+    try:
+        greedy_identical(model_type, tmp_path, device="cuda", dtype=torch.bfloat16)
+    except ReferenceFails as exc:
+        pytest.skip(f"{model_type}: {exc}")
