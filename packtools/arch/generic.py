@@ -189,6 +189,12 @@ def generic_architecture(model_type: str) -> Architecture:
         raise _refuse(model_type, "transformers has no config class for it")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise _refuse(model_type, "transformers has no causal-LM model for it (AutoModelForCausalLM)")
+    sub_configs = sorted(getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or ())
+    if sub_configs:
+        text = f"{model_type}_text"
+        hint = f"; its text model, {text}, is a type of its own" if text in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else ""
+        raise _refuse(model_type, f"a composite config ({', '.join(sub_configs)}): packtools packs text-only "
+                                  f"causal LMs whose config is the text model's{hint}")
     try:
         config = tiny_model_config(model_type, _PROBE_SIZE)
     except TinyConfigError as exc:
