@@ -94,7 +94,8 @@ def check(model_type: str, device: str) -> dict[str, str]:
             result = greedy_identical(model_type, Path(work) / "greedy", device=device, dtype=dtype)
             out["greedy"] = f"yes (logits {result.relative:.1e})"
         except ReferenceFails as exc:
-            out["greedy"] = f"n/a: {_short(exc)}"
+            cause = exc.__cause__ or exc
+            out["greedy"] = f"n/a: plain transformers cannot generate with the tiny model ({type(cause).__name__})"
         except AssertionError as exc:
             out["greedy"] = f"no: {_short(exc)}"
         except Exception as exc:
@@ -119,7 +120,10 @@ def render(results: dict) -> str:
     runs = results.get("runs", {})
     served = sum(1 for r in rows.values() if r.get("record") in ("module", "generic"))
     identical = sum(1 for r in rows.values() if r.get("float32", "").startswith("yes"))
-    lines += ["", f"{len(rows)} model types: {served} served ({identical} with float32 greedy tokens identical), "
+    on_minimum = sum(1 for r in rows.values() if r.get("minimum", "").startswith("yes"))
+    on_cuda = sum(1 for r in rows.values() if r.get("bf16_cuda", "").startswith("yes"))
+    lines += ["", f"{len(rows)} model types: {served} served ({identical} with float32 greedy tokens identical; "
+                  f"{on_minimum} identical on the minimum transformers; {on_cuda} bf16 CUDA identical), "
                   f"{len(rows) - served} refused. Runs: "
               + "; ".join(f"{COLUMNS[k]}: {v}" for k, v in sorted(runs.items())) + ".", "", END]
     return "\n".join(lines)
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             elif "builds" in got:
                 row[column] = "— (does not build)"
             else:
-                row[column] = "—" if column == "float32" else f"— ({got['record'].removeprefix('refused: ')})"
+                row[column] = "—" if column == "float32" else "— (refused)" if got["record"].startswith(
+                    "refused") else f"— ({got['record']})"
             print(f"{model_type}: {got}", flush=True)
         where = f"{args.device}, transformers {version}, torch {torch.__version__}"
         if not args.types:  # a partial run leaves the full run's line
