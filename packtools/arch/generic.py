@@ -4,17 +4,22 @@ experts interface (`@use_experts_implementation`).
 `generic_architecture(model_type)` builds the model of the type's tiny config (packtools.arch.
 tiny_generic) on the meta device, finds its experts modules (packtools.arch.generic_spec) and reads
 the layout from their flags and parameters: SwiGLU-style `gate_up_proj` [E, 2I, H] (gate rows first)
-with `down_proj` [E, H, I], or `up_proj` [E, I, H] alone when the experts have no gate. Those bytes
+with `down_proj` [E, H, I]; `up_proj` [E, I, H] alone when the experts have no gate (nemotron_h);
+transposed `gate_up_proj` [E, H, 2I] as one in_out role (aria_text). Those bytes
 are packed verbatim and the inference client computes with them through the same module (its own
 activation and gate), so nothing about the activation has to be known here. Checkpoint names come
 from transformers' conversion mapping of that model: the per-expert tensors its converters merge
-(`experts.*.gate_proj.weight` ...) and the blocks its renamings map onto the runtime one
-(`block_sparse_moe` -> `mlp`).
+(`experts.*.gate_proj.weight` ...), the blocks and roots its renamings map onto the runtime ones
+(`block_sparse_moe` -> `mlp`, `backbone.` -> `model.`) and whole fused tensors it renames
+(granitemoe's `input_linear`). A checkpoint tensor transformers splits into several on load is
+refused: packtools' dense reader (packtools.arch.hf_names) cannot split.
 
 Before a record is made, the experts module's own forward is run against transformers' generic
 batched experts forward (float64, random weights and routing): a model whose experts compute
 anything else (extra scales, zero experts, other gating) is refused, since the expertpack forward
-implements the interface, not the model's code. Every refusal is an `UnsupportedArchitecture`
+implements the interface, not the model's code. The probe runs the tiny config: a config flag that
+changes the experts' arithmetic only at other settings goes unseen, though the activation and gate
+are the module's own at run time either way. Every refusal is an `UnsupportedArchitecture`
 naming the model type and the reason; the registry prefers a written module
 (packtools.arch.models) whenever one exists.
 """
