@@ -35,7 +35,8 @@ NARROW = {
     "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 8,
     "mamba_n_groups": 1, "n_groups": 1, "mamba_chunk_size": 16, "chunk_size": 16,
     "router_hidden_size": 16, "num_nextn_predict_layers": 0,
-    "swa_num_attention_heads": NUM_ATTENTION_HEADS, "swa_head_dim": 16, "hidden_size_per_layer_input": 16,
+    "swa_num_attention_heads": NUM_ATTENTION_HEADS, "swa_num_key_value_heads": NUM_KEY_VALUE_HEADS,
+    "swa_head_dim": 16, "hidden_size_per_layer_input": 16,
 }
 VOCAB_KEYS = ("vocab_size_per_layer_input",)  # per-layer token embeddings (gemma4_text)
 # Mamba heads follow from the width: heads * head_dim = expand * hidden
@@ -113,7 +114,7 @@ def shrink_kwargs(model_type: str, size: TinySize) -> dict:
         raise TinyConfigError(model_type, "its config has no num_hidden_layers")
     if model_type in TOP_K_LIMITS:
         size = dataclasses.replace(size, top_k=min(size.top_k, TOP_K_LIMITS[model_type]))
-    per_layer = _per_layer_keys(defaults, layers)
+    per_layer = [key for key in _per_layer_keys(defaults, layers) if key not in needed]
     n = _layer_count(defaults, per_layer, size)
     # every kind within the first few layers, or else each kind once (hybrids whose first attention
     # layer comes late: granitemoehybrid)
