@@ -50,6 +50,29 @@ def test_hf_checkpoint_builds(model_type, tmp_path):
     assert (bundle / "manifest.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", CANDIDATES)
+def test_continuous_batching_gives_each_request_its_tokens_alone(model_type, tmp_path):
+    """test_engine_batch's check over every type served, generic ones included (hybrid caches too)."""
+    from test_engine_batch import CHUNK, MAX_TOKENS, CountingSource, greedy, prompts, run_together
+
+    from inference.engine import Engine
+    from inference.model import load_model
+
+    if not _served_or_refused(model_type):
+        return
+    bundle = build(model_type, tmp_path)
+    with load_model(bundle, device="cpu", dtype=torch.float32, expert_source=CountingSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=8, prefill_chunk=CHUNK)
+        try:
+            requests = prompts(engine.runner.vocab_size)
+            alone = [engine.runner.run(p, greedy(m), emit=lambda e: None) for p, m in zip(requests, MAX_TOKENS)]
+            together = run_together(engine, requests)
+        finally:
+            engine.close()
+    assert [f.token_ids for f in together] == [f.token_ids for f in alone]
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
