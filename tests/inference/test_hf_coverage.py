@@ -8,6 +8,9 @@ table.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from hf_coverage import ReferenceFails, build, greedy_identical
@@ -40,6 +43,16 @@ def test_hf_checkpoint_builds_and_float32_greedy_tokens_equal_transformers(model
         greedy_identical(model_type, tmp_path)
     except ReferenceFails as exc:
         pytest.skip(f"{model_type}: {exc}")
+
+
+def test_the_docs_table_lists_every_candidate_and_each_module_as_such():
+    """docs/inference.md's table is generated (scripts/moe_coverage.py): a type added or given a
+    module of its own since the last run means running it again."""
+    results = json.loads((Path(__file__).resolve().parents[2] / "docs" / "moe_coverage.json").read_text())
+    rows = results["rows"]
+    assert set(CANDIDATES) <= set(rows), f"not in the table: {sorted(set(CANDIDATES) - set(rows))}"
+    stale = [t for t in ARCHITECTURES if rows[t].get("record") != "module"]
+    assert not stale, f"have a module now, the table says otherwise: {stale}; run scripts/moe_coverage.py"
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe_lite", "granitemoe", "nemotron_h"])
