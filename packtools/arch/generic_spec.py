@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from packformat.constants import Role
+from packtools.arch.errors import UnrunnableConfig
 from packtools.arch.spec import ArchSpec, ExpertKey
 
 # the block between the layer and its experts may be absent (gemma4_text: model.layers.N.experts)
@@ -85,8 +86,12 @@ def config_experts(config: PretrainedConfig) -> ModelExperts:
     if key in _meta_cache:
         _meta_cache.move_to_end(key)
         return _meta_cache[key]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers' own error, whatever it is, says what is wrong
+        raise UnrunnableConfig(config.model_type, "config", "(as given)",
+                               f"transformers cannot build its model: {type(exc).__name__}: {exc}") from exc
     found = model_experts(model)
     _meta_cache[key] = found
     if len(_meta_cache) > _CACHE_SIZE:

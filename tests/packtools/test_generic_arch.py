@@ -86,6 +86,17 @@ def test_experts_directly_under_the_layer_parse():
     assert spec.is_routed_runtime_key("model.layers.0.experts.down_proj")
 
 
+def test_a_config_whose_model_does_not_build_is_refused_by_a_typed_error():
+    _needs("glm4_moe_lite")
+    from packtools.arch.errors import UnrunnableConfig
+
+    spec = get_architecture("glm4_moe_lite").spec
+    config = tiny_config("glm4_moe_lite")
+    config.n_routed_experts = None
+    with pytest.raises(UnrunnableConfig, match="glm4_moe_lite.*transformers cannot build its model"):
+        spec.moe_layers(config)
+
+
 def test_encoded_infinities_in_config_json_are_decoded():
     _needs("nemotron_h")
     config = config_from_dict({"model_type": "nemotron_h", "time_step_limit": [0.0, {"__float__": "Infinity"}]})
