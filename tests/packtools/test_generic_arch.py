@@ -92,7 +92,7 @@ def test_a_config_whose_model_does_not_build_is_refused_by_a_typed_error():
 
     spec = get_architecture("glm4_moe_lite").spec
     config = tiny_config("glm4_moe_lite")
-    config.n_routed_experts = None
+    config.__dict__["n_routed_experts"] = None  # past the config class's own validation
     with pytest.raises(UnrunnableConfig, match="glm4_moe_lite.*transformers cannot build its model"):
         spec.moe_layers(config)
 
