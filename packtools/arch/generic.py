@@ -65,7 +65,7 @@ def tiny_model_config(model_type: str, size: TinySize) -> PretrainedConfig:
 
 
 def _refuse(model_type: str, reason: str) -> UnsupportedArchitecture:
-    return UnsupportedArchitecture(model_type, reason)
+    return UnsupportedArchitecture(model_type, " ".join(reason.split()))  # one line, whatever transformers said
 
 
 def _meta_model(model_type: str, config: PretrainedConfig) -> torch.nn.Module:
@@ -160,8 +160,9 @@ def _checkpoint_names(model: torch.nn.Module, container: str, fused: dict[str, F
     runtime = f"model.layers.0.{block}experts.0.x.weight"
     blocks = [container] + [w for w in words if w != container
                             and _renamed(renamings, f"model.layers.0.{w}.experts.0.x.weight") == runtime]
-    roots = [f"{w}." for w in words
-             if w != "model" and _renamed(renamings, f"{w}.layers.0.{block}experts.0.x.weight") == runtime]
+    # roots of one or two words ("backbone.", a multimodal checkpoint's "model.language_model.")
+    candidates = dict.fromkeys(r for w in words if w != "model" for r in (f"{w}.", f"model.{w}.", f"{w}.model."))
+    roots = [r for r in candidates if _renamed(renamings, f"{r}layers.0.{block}experts.0.x.weight") == runtime]
     return CheckpointNames(tuple(blocks), ("model.", *roots, ""), per_expert, aliases)
 
 
@@ -184,6 +185,7 @@ def _top_k_key(model_type: str, config: PretrainedConfig) -> str:
 def _check_groups(config: PretrainedConfig, spec: ArchSpec) -> None:
     # group-limited routers of the interface's model types score a group by its two best experts
     # (DeepSeek-V3's rule); a config without groups routes over all experts
+    config = config.get_text_config()
     if isinstance(getattr(config, "n_group", None), int) and isinstance(getattr(config, "topk_group", None), int):
         check_groups(config, spec, group_key="n_group", min_group_size=2)
 
@@ -194,12 +196,6 @@ def generic_architecture(model_type: str) -> Architecture:
         raise _refuse(model_type, "transformers has no config class for it")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise _refuse(model_type, "transformers has no causal-LM model for it (AutoModelForCausalLM)")
-    sub_configs = sorted(getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or ())
-    if sub_configs:
-        text = f"{model_type}_text"
-        hint = f"; its text model, {text}, is a type of its own" if text in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else ""
-        raise _refuse(model_type, f"a composite config ({', '.join(sub_configs)}): packtools packs text-only "
-                                  f"causal LMs whose config is the text model's{hint}")
     try:
         config = tiny_model_config(model_type, _PROBE_SIZE)
     except TinyConfigError as exc:
@@ -207,10 +203,15 @@ def generic_architecture(model_type: str) -> Architecture:
     except Exception as exc:
         raise _refuse(model_type, f"its shrunk config is invalid: {type(exc).__name__}: {exc}") from exc
     model = _meta_model(model_type, config)
+    sub_configs = sorted(getattr(model.config, "sub_configs", None) or ())
+    if sub_configs:  # a composite config whose causal LM is not its text model alone (gemma4)
+        raise _refuse(model_type, f"its causal-LM model {type(model).__name__} is multimodal ({', '.join(sub_configs)}); "
+                                  "packtools packs text models")
     try:
         found = model_experts(model)
     except ExpertsNotFound as exc:
         raise _refuse(model_type, str(exc)) from exc
+    config = model.config  # a composite config's text config: the model's own
     layout, fused = _layout(model_type, found.module)
     names = _checkpoint_names(model, found.container, fused)
     _refuse_splits(model_type, model)

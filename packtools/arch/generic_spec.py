@@ -122,8 +122,11 @@ class GenericSpec(ArchSpec):
     def moe_intermediate_size(self, config: PretrainedConfig) -> int:
         return config_experts(config).intermediate
 
+    def top_k(self, config: PretrainedConfig) -> int:
+        return super().top_k(config.get_text_config())  # a composite config's text model routes
+
     def role_shapes(self, config: PretrainedConfig) -> dict[Role, tuple[int, ...]]:
-        shapes = super().role_shapes(config)
+        shapes = super().role_shapes(config.get_text_config())
         return {role: shape for role, shape in shapes.items() if role in self.layout.roles}
 
     def parse_expert_key(self, key: str) -> ExpertKey | None:

@@ -100,12 +100,25 @@ def _cut(kinds: list | str, n: int, compress: bool) -> list | str:
     return "".join(cut) if isinstance(kinds, str) else cut
 
 
+def _shrink_composite(model_type: str, config: PretrainedConfig, size: TinySize) -> dict:
+    """A composite config (a multimodal model) shrinks its text model's config; the other parts keep
+    their defaults, since the causal-LM model of such a config is its text model alone."""
+    if "text_config" not in config.sub_configs:
+        raise TinyConfigError(model_type, f"a composite config without a text_config ({sorted(config.sub_configs)})")
+    text_type = getattr(config.sub_configs["text_config"], "model_type", None)
+    if not text_type or text_type == model_type:
+        raise TinyConfigError(model_type, "its text_config names no model type of its own")
+    from packtools.arch.tiny import common_kwargs
+
+    return {"text_config": {**common_kwargs(size), **shrink_kwargs(text_type, size)}}
+
+
 def shrink_kwargs(model_type: str, size: TinySize) -> dict:
     """Config kwargs that shrink `model_type`'s defaults to `size` (the keys common_kwargs lacks)."""
     config = config_defaults(model_type)
     defaults = config.to_dict()
     if getattr(config, "sub_configs", None):
-        raise TinyConfigError(model_type, f"a composite config (sub-configs {sorted(config.sub_configs)})")
+        return _shrink_composite(model_type, config, size)
     needed = DEFAULTS_THAT_DO_NOT_BUILD.get(model_type, {})
     layers = defaults.get("num_hidden_layers")
     if not _int(layers) and isinstance(defaults.get("layers_block_type"), list):

@@ -86,6 +86,31 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model_type, tmp
     assert [f.token_ids for f in together] == [f.token_ids for f in alone]
 
 
+def test_a_multimodal_checkpoint_builds_its_text_model(tmp_path):
+    """The official Qwen3.5-MoE layout: a composite config.json, the text model under
+    model.language_model., a vision tower transformers' causal LM ignores."""
+    from safetensors.torch import load_file, save_file
+    from test_model_fixtures import compare
+    from transformers import AutoModelForCausalLM
+
+    from inference.experts import LocalPackSource
+    from inference.model import load_model
+    from packtools.build import build_bundle
+
+    from hf_coverage import write_checkpoint
+
+    hf_dir = write_checkpoint("qwen3_5_moe", tmp_path)
+    state = load_file(hf_dir / "model.safetensors")
+    official = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+                for k, v in state.items()}
+    official["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
+    save_file(official, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    build_bundle(hf_dir, tmp_path / "bundle", progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with load_model(tmp_path / "bundle", device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as loaded:
+        assert compare(reference, loaded.model, "qwen3_5_moe official layout") < 1e-4
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

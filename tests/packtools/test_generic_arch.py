@@ -37,7 +37,7 @@ def test_a_written_module_wins_over_the_generic_record(monkeypatch):
 
 @pytest.mark.parametrize(("model_type", "reason"), [
     ("llama", "no module of the model uses transformers' experts interface"),
-    ("qwen3_5_moe", "a composite config"),
+    ("gemma4", "is multimodal"),
     ("lara_mini", "packtools' dense reader cannot split"),
     ("inkling2_text", "computes something other than the experts interface"),
 ])
@@ -127,9 +127,24 @@ def test_the_tiny_maker_keeps_every_kind_of_layer():
     assert set(kwargs["layer_types"]) == set(defaults) and kwargs["num_hidden_layers"] == len(kwargs["layer_types"])
 
 
-def test_the_tiny_maker_refuses_a_composite_config():
+def test_the_tiny_maker_shrinks_a_composite_config_through_its_text_config():
     _needs("qwen3_5_moe")
-    with pytest.raises(TinyConfigError, match="qwen3_5_moe.*composite"):
+    kwargs = shrink_kwargs("qwen3_5_moe", SIZE)
+    assert set(kwargs) == {"text_config"} and kwargs["text_config"]["hidden_size"] == 64
+    assert kwargs["text_config"]["num_experts"] == 8
+    config = tiny_config("qwen3_5_moe")
+    spec = get_architecture("qwen3_5_moe").spec  # the causal LM of the composite config is its text model
+    assert spec.num_experts(config) == 8 and spec.top_k(config) == 2 and spec.moe_layers(config)
+    # the official checkpoints' names: the text model under model.language_model.
+    assert spec.parse_expert_key("model.language_model.layers.0.mlp.experts.gate_up_proj") == ExpertKey(
+        0, None, "gate_up_proj")
+
+
+def test_the_tiny_maker_refuses_a_composite_config_without_a_text_config(monkeypatch):
+    _needs("qwen3_5_moe")
+    config_class = CONFIG_MAPPING["qwen3_5_moe"]
+    monkeypatch.setattr(config_class, "sub_configs", {"vision_config": config_class.sub_configs["vision_config"]})
+    with pytest.raises(TinyConfigError, match="qwen3_5_moe.*without a text_config"):
         shrink_kwargs("qwen3_5_moe", SIZE)
 
 
