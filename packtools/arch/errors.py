@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # One class for an architecture packtools has no model for, whether a config.json or a GGUF names
 # it; it lives in packtools.errors since packtools.gguf raises it too and packtools.arch imports
 # packtools.gguf (the records' GGUF mappings).
@@ -51,3 +53,14 @@ class UnrunnableConfig(ValueError):
     def __init__(self, model_type: object, setting: str, value: object, reason: str):
         self.model_type, self.setting, self.value = model_type, setting, value
         super().__init__(f"{model_type}: {setting}={value!r} cannot run: {reason}")
+
+
+class UnsupportedArchitecture(UnknownArchitectureError):
+    """A model_type transformers knows but packtools cannot pack and serve exactly: no module of its
+    own (packtools.arch.models), and the generic experts-interface path refuses it for `reason`."""
+
+    def __init__(self, model_type: str, reason: str, *, known: Iterable[str] = ()):
+        self.model_type, self.reason = model_type, reason
+        ValueError.__init__(self, f"model_type {model_type!r} is not supported: {reason}" + (
+            f" (architectures with a module of their own: {', '.join(sorted(known))})" if known else ""))
+        self.path, self.architecture = None, model_type

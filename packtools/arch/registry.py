@@ -1,7 +1,9 @@
 """The MoE architectures packtools supports, keyed by transformers `model_type`.
 
 Every module of packtools.arch.models (but the "_" ones) exports one Architecture record; this
-registry collects them. Tables elsewhere (the GGUF arch names, config readers and writers, tensor
+registry collects them. A model_type without one is served through transformers' experts
+interface when packtools.arch.generic can make its record (made once, on first lookup); a written
+module always wins over the generic record. Tables elsewhere (the GGUF arch names, config readers and writers, tensor
 respellings, routing checks, tests' architecture lists) read the records rather than keep their own.
 """
 
@@ -11,11 +13,11 @@ import copy
 import importlib
 import pkgutil
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 import packtools.arch.models as architecture_modules
-from packtools.arch.errors import UnknownArchitectureError
+from packtools.arch.errors import UnknownArchitectureError, UnsupportedArchitecture
 from packtools.arch.record import Architecture
 from packtools.arch.spec import ArchSpec
 from packtools.arch.tiny import TinySize, tiny_config_kwargs
@@ -41,11 +43,49 @@ def _collect() -> dict[str, Architecture]:
 ARCHITECTURES: dict[str, Architecture] = _collect()
 
 
+# model_type -> its generic record, or the UnsupportedArchitecture that refused it
+_GENERIC: dict[str, Architecture | UnknownArchitectureError] = {}
+
+
 def get_architecture(model_type: str) -> Architecture:
-    try:
-        return ARCHITECTURES[model_type]
-    except KeyError:
-        raise UnknownArchitectureError(None, model_type, known=ARCHITECTURES) from None
+    """The written record of `model_type`, else the generic one (packtools.arch.generic); raises
+    UnknownArchitectureError for a type transformers lacks, UnsupportedArchitecture (a subclass,
+    with the reason) for one the generic path refuses."""
+    record = ARCHITECTURES.get(model_type)
+    if record is not None:
+        return record
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise UnknownArchitectureError(None, model_type, known=ARCHITECTURES)
+    if model_type not in _GENERIC:
+        from packtools.arch.generic import generic_architecture
+
+        try:
+            _GENERIC[model_type] = generic_architecture(model_type)
+        except UnsupportedArchitecture as exc:
+            _GENERIC[model_type] = UnsupportedArchitecture(model_type, exc.reason, known=ARCHITECTURES)
+    found = _GENERIC[model_type]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def coverage() -> dict[str, Architecture | UnknownArchitectureError]:
+    """Every model_type packtools has a module for or transformers marks as using its experts
+    interface -> its record, or the error that refuses it (generic records are made here)."""
+    from packtools.arch.generic import experts_interface_model_types
+
+    found: dict[str, Architecture | UnknownArchitectureError] = {}
+    for model_type in sorted(set(ARCHITECTURES) | set(experts_interface_model_types())):
+        try:
+            found[model_type] = get_architecture(model_type)
+        except UnknownArchitectureError as exc:
+            found[model_type] = exc
+    return found
+
+
+def supported_model_types() -> list[str]:
+    """The model_types packtools builds and serves: a module of their own or a generic record."""
+    return [t for t, record in coverage().items() if isinstance(record, Architecture)]
 
 
 def get_arch(model_type: str) -> ArchSpec:
@@ -61,6 +101,11 @@ def config_from_dict(config: dict) -> PretrainedConfig:
     # DeepseekV4Config adds rope_theta and partial_rotary_factor to rope_parameters), which would
     # change the caller's config.json contents, e.g. the bundle's copy of it
     kwargs = copy.deepcopy({k: v for k, v in config.items() if k != "model_type"})
+    # transformers writes inf and nan as {"__float__": "Infinity"} (nemotron_h's time_step_limit) and
+    # decodes them when it reads config.json; so must we
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    if decode is not None:
+        kwargs = decode(kwargs)
     return AutoConfig.for_model(model_type, **kwargs)
 
 

@@ -57,9 +57,10 @@ def test_a_registered_record_is_all_the_lookups_need(fake_arch):
     assert found.model_type == fake_arch
 
 
-def test_an_unregistered_model_type_is_refused_by_name():
-    with pytest.raises(UnknownArchitectureError, match="expertpack_fake_moe.*known architectures: deepseek_v2"):
-        get_architecture("expertpack_fake_moe")
+def test_a_model_type_transformers_lacks_is_refused_by_name():
+    # (a type transformers knows but no module registers goes the generic path: test_generic_arch)
+    with pytest.raises(UnknownArchitectureError, match="expertpack_no_such_moe.*known architectures: deepseek_v2"):
+        get_architecture("expertpack_no_such_moe")
 
 
 def test_deepseek2_gating_picks_the_model():
