@@ -37,6 +37,7 @@ COLUMNS = {  # key -> heading
     "bf16_cuda": "HF: bf16 greedy identical (CUDA)",
     "minimum": "float32 identical on the minimum transformers",
 }
+GGUF_HEADING = "GGUF: llama.cpp arch, golden cases (greedy identical to llama.cpp)"
 
 
 def _minimum_transformers() -> str:
@@ -109,20 +110,46 @@ def candidates() -> list[str]:
     return sorted(set(ARCHITECTURES) | set(experts_interface_model_types()))
 
 
+def gguf_cells() -> dict[str, str]:
+    """model type -> its GGUF column: the llama.cpp arch its module maps, and the golden cases
+    (scripts/llamacpp_cases.py) whose greedy tokens tests/inference/test_llamacpp_golden.py checks
+    against llama.cpp's own run of llama.cpp's own conversion."""
+    from packtools.arch import ARCHITECTURES
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from llamacpp_cases import CASES, DEEPSEEK_V4_CASES, KIMI_K3_CASES
+
+    cases: dict[str, list[str]] = {}
+    for case in [*CASES, *DEEPSEEK_V4_CASES, *KIMI_K3_CASES]:
+        cases.setdefault(case.arch, []).append(case.quant + (f" ({case.variant})" if case.variant else ""))
+    cells = {}
+    for model_type, record in ARCHITECTURES.items():
+        if record.gguf is None:
+            continue
+        arch = record.gguf.gguf_name
+        golden = ", ".join(dict.fromkeys(cases.get(model_type, [])))
+        cells[model_type] = f"`{arch}`: " + (golden or "no golden case")
+    return cells
+
+
 def render(results: dict) -> str:
     rows = results["rows"]
-    head = "| model type | " + " | ".join(COLUMNS.values()) + " |"
-    lines = [BEGIN, "", head, "|" + " --- |" * (len(COLUMNS) + 1)]
+    gguf_column = gguf_cells()
+    head = "| model type | " + " | ".join(COLUMNS.values()) + f" | {GGUF_HEADING} |"
+    lines = [BEGIN, "", head, "|" + " --- |" * (len(COLUMNS) + 2)]
     for model_type in sorted(rows):
         row = rows[model_type]
-        lines.append(f"| {model_type} | " + " | ".join(row.get(k, "not run") for k in COLUMNS) + " |")
+        lines.append(f"| {model_type} | " + " | ".join(row.get(k, "not run") for k in COLUMNS)
+                     + f" | {gguf_column.get(model_type, '—')} |")
     runs = results.get("runs", {})
     served = sum(1 for r in rows.values() if r.get("record") in ("module", "generic"))
     identical = sum(1 for r in rows.values() if r.get("float32", "").startswith("yes"))
     on_minimum = sum(1 for r in rows.values() if r.get("minimum", "").startswith("yes"))
     on_cuda = sum(1 for r in rows.values() if r.get("bf16_cuda", "").startswith("yes"))
+    with_gguf = sum(1 for t in rows if t in gguf_column)
     lines += ["", f"{len(rows)} model types: {served} served ({identical} with float32 greedy tokens identical; "
-                  f"{on_minimum} identical on the minimum transformers; {on_cuda} bf16 CUDA identical), "
+                  f"{on_minimum} identical on the minimum transformers; {on_cuda} bf16 CUDA identical; {with_gguf} "
+                  f"read from llama.cpp GGUFs), "
                   f"{len(rows) - served} refused. Runs: "
               + "; ".join(f"{COLUMNS[k]}: {v}" for k, v in sorted(runs.items())) + ".", "", END]
     return "\n".join(lines)
