@@ -33,7 +33,8 @@ echo "=== GPU tests of the fast path"
 timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py tests/inference/test_piecewise.py \
     tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
-    tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager} \
+    tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager \
+    tests/inference/test_engine_batch.py::test_a_batch_runs_on_cuda_with_one_acquire_per_layer_and_step} \
     2>&1 | tee "$OUT/logs/gpu_tests.log" | tail -25
 ((PIPESTATUS[0] != 0)) && failed=1
 

@@ -81,6 +81,30 @@ def test_eight_requests_in_a_batch_each_equal_their_tokens_alone(tmp_path_factor
     assert [len(f.token_ids) for f in together] == list(MAX_TOKENS)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "kimi_linear"])
+def test_a_batch_runs_on_cuda_with_one_acquire_per_layer_and_step(tmp_path_factory, arch):
+    """bfloat16 on the fused kernels: every request runs to its length, the batch shares each MoE
+    layer's acquire. Tokens are not compared with each request alone: in bfloat16 the batch's
+    grouped kernels sum in another order than one sequence's (the float32 CPU test compares them)."""
+    bundle = tiny_bundle(tmp_path_factory, arch)
+    with load_model(bundle, device="cuda", dtype=torch.bfloat16, expert_source=CountingSource,
+                    experts_compute="fused") as model:
+        engine = Engine.from_loaded(model, max_num_seqs=8, prefill_chunk=CHUNK)
+        try:
+            requests = prompts(engine.runner.vocab_size)
+            source = model.expert_source
+            acquires, steps = source.acquires, engine._steps
+            together = run_together(engine, requests)
+            moe_layers = len(experts_modules(model.model))
+            assert source.acquires - acquires == (engine._steps - steps) * moe_layers
+            assert engine._steps - steps < sum(MAX_TOKENS)  # sequences shared steps
+        finally:
+            engine.close()
+    assert [len(f.token_ids) for f in together] == list(MAX_TOKENS)
+
+
 def test_steps_overlap_and_the_batch_never_exceeds_max_num_seqs(tmp_path_factory):
     bundle = tiny_bundle(tmp_path_factory, "qwen3_moe")
     with load_model(bundle, device="cpu", dtype=torch.float32, expert_source=LocalPackSource) as model:
