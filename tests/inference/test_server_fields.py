@@ -9,13 +9,12 @@ greedy here, so the sampling tests set top_k=0 to sample.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
 import openai
 import pytest
-from test_server_fixtures import REPO, ServerProcess, access_lines, post, rich_bundle
+from test_server_fixtures import REPO, access_lines, post, rich_bundle, serving
 
 from inference.server.fields import FIELDS, HONOURED, REFUSED, TAG, markdown_table
 
@@ -37,15 +36,8 @@ def covers(*names: str):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(rich_bundle(tmp_path_factory, {"top_k": 1, "max_new_tokens": 24}), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
+    with serving(rich_bundle(tmp_path_factory, {"top_k": 1, "max_new_tokens": 24}), model_name=MODEL) as process:
+        yield process
 
 
 def chat(client, **kwargs):
