@@ -328,6 +328,33 @@ def test_refused_fields_get_a_400_naming_them(client, name, endpoint):
     assert caught.value.body["param"] == name and name in caught.value.message
 
 
+# what a client of one endpoint may send to the other by mistake: refused, never silently dropped
+OTHER_ENDPOINT_CASES = [
+    ("completions", "tools", [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]),
+    ("completions", "tool_choice", "auto"),
+    ("completions", "parallel_tool_calls", False),
+    ("completions", "messages", CHAT),
+    ("completions", "max_completion_tokens", 4),
+    ("completions", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "suffix", "and so on"),
+    ("chat", "best_of", 1),
+    ("chat", "prompt", PROMPT),
+    ("chat", "prompt_embeds", "AAAA"),
+]
+
+
+@pytest.mark.parametrize("endpoint, name, value", OTHER_ENDPOINT_CASES,
+                         ids=[f"{n}-to-{e}" for e, n, _ in OTHER_ENDPOINT_CASES])
+def test_a_field_of_the_other_endpoint_gets_a_400_naming_it(client, endpoint, name, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            chat(client, max_tokens=1, extra_body={name: value})
+        else:
+            complete(client, max_tokens=1, extra_body={name: value})
+    assert caught.value.body["param"] == name
+    assert f"'{name}' is a field of /v1/" in caught.value.message
+
+
 def test_unknown_fields_are_logged_once(server, client):
     for _ in range(3):
         chat(client, max_tokens=1, extra_body={"frobnicate_level": 3})
