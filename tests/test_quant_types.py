@@ -8,6 +8,7 @@ registry without its entry in one of them fails, naming the type.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import types
 
@@ -83,6 +84,58 @@ def test_a_registered_type_without_its_entry_fails(module: str, monkeypatch: pyt
         _build_again(module)
 
 
-def test_fused_kernel_types_are_registered() -> None:
-    ops = pytest.importorskip("inference.kernels.ops")
-    assert set(ops.GEMV_TYPES) <= set(DEQUANTIZERS)
+def test_fused_kernel_tables_cover_every_type_the_registry_marks() -> None:
+    from inference.kernels import ops
+
+    fused = {t: d.fused for t, d in DEQUANTIZERS.items() if d.fused is not None}
+    assert set(ops.GEMV_TYPES) == set(fused) and fused  # the 1.0 types all run fused
+    assert len({f.code for f in fused.values()}) == len(fused)
+    for etype, entry in fused.items():
+        code, blocks_per_step, rank = ops._TYPE_CODES[etype]
+        assert (code, rank) == (entry.code, entry.tile_rank)
+        assert ops.GEMM_PARTS[code] == entry.parts
+        assert ops.GEMV_TUNING.get(etype) == entry.gemv_shape
+        columns = ops.FLOAT_STEP_COLUMNS if DEQUANTIZERS[etype].float_dtype else ops.BLOCK_STEP_COLUMNS
+        assert blocks_per_step * QUANT_TYPES[etype].block_elements == columns
+
+
+def _fused_entry(etype: ElementType, **changes):
+    """DEQUANTIZERS' entry of etype (Q8_0's for a type without one) with its fused record changed."""
+    from inference.dequant.registry import FusedKernel
+
+    entry = DEQUANTIZERS.get(etype, DEQUANTIZERS[ElementType.Q8_0])
+    fused = entry.fused or FusedKernel(code=3, tile_rank=3, parts=2)
+    return dataclasses.replace(entry, element_type=etype, fused=dataclasses.replace(fused, **changes))
+
+
+Q8_1 = QuantType(ElementType.Q8_1, 32, 40, gguf.GGMLQuantizationType.Q8_1, gguf.LlamaFileType.GUESSED)
+
+
+@pytest.mark.parametrize(("etype", "changes", "registered", "message"), [
+    # a newly registered type whose kernel branch does not exist
+    (ElementType.Q8_1, {"code": 14}, Q8_1, "Q8_1.*no branch for type code 14"),
+    (ElementType.Q8_1, {"code": 3}, Q8_1, "Q8_1.*type code 3 is Q8_0's"),
+    (ElementType.Q4_K, {"tile_rank": 5}, None, "Q4_K.*no product tile of rank 5"),
+    (ElementType.UE8M0, {}, None, "UE8M0.*not a weight type that dequantizes alone"),
+], ids=["unknown-code", "taken-code", "unknown-rank", "scale-type"])
+def test_a_fused_entry_the_kernels_cannot_run_is_refused_on_import(etype, changes, registered, message,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference.dequant import registry
+    from inference.dequant.errors import UnsupportedTypeError
+
+    if registered is not None:
+        monkeypatch.setattr(quant_types, "QUANT_TYPES", types.MappingProxyType({**QUANT_TYPES, etype: registered}))
+    monkeypatch.setattr(registry, "DEQUANTIZERS", types.MappingProxyType(
+        {**DEQUANTIZERS, etype: _fused_entry(etype, **changes)}))
+    with pytest.raises(UnsupportedTypeError, match=f"element type {message}"):
+        _build_again("inference.kernels.ops")
+
+
+def test_a_type_without_a_fused_entry_is_refused_by_the_fused_kernels() -> None:
+    from inference.dequant.errors import UnsupportedTypeError
+    from inference.kernels.ops import GemvWeight
+
+    assert DEQUANTIZERS[ElementType.UE8M0].fused is None and ElementType.F4_E2M1X2 not in DEQUANTIZERS
+    for etype in (ElementType.UE8M0, ElementType.F4_E2M1X2):
+        with pytest.raises(UnsupportedTypeError, match=f"{etype.name}: the fused kernels cannot read it in place"):
+            GemvWeight(etype, rows=32, cols=64, row_bytes=32, first_offset=0, second_offset=0, split=32)

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 
 from inference.dequant import dequantize_many, dequantize_scaled_many
+from inference.dequant.registry import DEQUANTIZERS
 from packformat.constants import ElementType, tensor_nbytes
 
-FLOAT_VIEWS: dict[ElementType, torch.dtype] = {
-    ElementType.F32: torch.float32,
-    ElementType.F16: torch.float16,
-    ElementType.BF16: torch.bfloat16,
-}
+# the plain float types: their bytes are their values
+FLOAT_VIEWS: dict[ElementType, torch.dtype] = {t: d.float_dtype for t, d in DEQUANTIZERS.items() if d.float_dtype}
 
 
 def dequantize_roles(raw: torch.Tensor, element_type: int, role_shape: tuple[int, ...],

@@ -22,10 +22,8 @@ from inference.kernels import quant_dot as qd
 from inference.kernels import quant_dot_k as qk
 from inference.kernels import quant_tile as qt
 
-# Kernel type codes (the QT constexpr), filled by ops.GEMV_TYPES.
-QT_F32, QT_F16, QT_BF16 = 0, 1, 2
-QT_Q8_0, QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_MXFP4 = 3, 4, 5, 6, 7, 8
-QT_Q2_K, QT_Q3_K, QT_Q4_K, QT_Q5_K, QT_Q6_K = 9, 10, 11, 12, 13
+# Kernel type codes (the QT constexpr): each type's inference.dequant.registry.FusedKernel.code,
+# checked against ops.KERNEL_CODES on import of inference.kernels.ops.
 
 
 @triton.jit
@@ -136,7 +134,7 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     p's token (the up projection reading hidden states), else s itself (down, reading the
     activation in sorted order). The weight tile of each step is dequantized once for all of the
     block's pairs (tensor-core dot); rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
-    SPLIT: each step dequantized in PARTS parts (quant_tile.PARTS[QT]) rather than whole.
+    SPLIT: each step dequantized in PARTS parts (ops.GEMM_PARTS[QT]) rather than whole.
     """
     b = tl.program_id(0)
     count = tl.load(blocks_ptr + 3 * b + 2)

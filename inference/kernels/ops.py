@@ -14,37 +14,66 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 import torch
 
+from inference.dequant.errors import UnsupportedTypeError
+from inference.dequant.registry import DEQUANTIZERS, Dequantizer
 from packformat import RoleEntry
 from packformat.constants import ElementType, block_shape
+from packformat.quant_types import QUANT_TYPES
 
-# element type -> (kernel type code, blocks per step, rank of its product tile); a float "block"
-# is one element
-_TYPE_CODES: dict[ElementType, tuple[int, int, int]] = {
-    ElementType.F32: (0, 64, 2), ElementType.F16: (1, 64, 2), ElementType.BF16: (2, 64, 2),
-    ElementType.Q8_0: (3, 8, 3), ElementType.Q4_0: (4, 8, 3), ElementType.Q4_1: (5, 8, 3),
-    ElementType.Q5_0: (6, 8, 3), ElementType.Q5_1: (7, 8, 3), ElementType.MXFP4: (8, 8, 3),
-    ElementType.Q2_K: (9, 1, 4), ElementType.Q3_K: (10, 1, 4), ElementType.Q4_K: (11, 1, 3),
-    ElementType.Q5_K: (12, 1, 3), ElementType.Q6_K: (13, 1, 4),
-}
+# The QT branches moe_triton._dot and quant_tile.weight_tile/weight_part implement; the
+# registry's fused entries name them (inference.dequant.registry.FusedKernel.code).
+KERNEL_CODES = range(14)
+TILE_RANKS = (2, 3, 4)  # the GEMV's product tiles (moe_triton.moe_gemv_kernel's RANK)
+# Columns one kernel step covers: plain floats (a "block" is one element), and block types.
+FLOAT_STEP_COLUMNS, BLOCK_STEP_COLUMNS = 64, 256
+
+
+def _fused_tables(dequantizers: Mapping[ElementType, Dequantizer]) -> dict[ElementType, tuple[int, int, int]]:
+    """element type -> (kernel type code, blocks per step, rank of its product tile), for every
+    type whose registry entry says the fused kernels read it; an entry the kernels cannot run is
+    refused here, on import, naming the type."""
+    table: dict[ElementType, tuple[int, int, int]] = {}
+    codes: dict[int, ElementType] = {}
+    for etype, entry in dequantizers.items():
+        fused = entry.fused
+        if fused is None:
+            continue
+        record = QUANT_TYPES[etype]
+        step = FLOAT_STEP_COLUMNS if entry.float_dtype is not None else BLOCK_STEP_COLUMNS
+        if not record.self_contained:
+            problem = "it is not a weight type that dequantizes alone"
+        elif fused.code not in KERNEL_CODES:
+            problem = f"the kernels have no branch for type code {fused.code}"
+        elif fused.code in codes:
+            problem = f"type code {fused.code} is {codes[fused.code].name}'s"
+        elif fused.tile_rank not in TILE_RANKS:
+            problem = f"the GEMV has no product tile of rank {fused.tile_rank}"
+        elif step % record.block_elements:
+            problem = f"its {record.block_elements}-element blocks do not fill a {step}-column step"
+        else:
+            codes[fused.code] = etype
+            table[etype] = (fused.code, step // record.block_elements, fused.tile_rank)
+            continue
+        raise UnsupportedTypeError(etype, f"inference.dequant.registry marks it for the fused kernels, but {problem}")
+    return table
+
+
+_TYPE_CODES = _fused_tables(DEQUANTIZERS)
 GEMV_TYPES = frozenset(_TYPE_CODES)
+# kernel type code -> the parts the grouped GEMM dequantizes a step in (moe_gemm_kernel's PARTS)
+GEMM_PARTS = {code: DEQUANTIZERS[t].fused.parts for t, (code, _, _) in _TYPE_CODES.items()}
 ROUNDING = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # dtype -> quant_dot.ROUND_* code
 GEMV_BLOCK_N = 32  # output rows per program
 GEMV_WARPS = 4
-# element type -> (rows per program, warps). Measured on an H200 with bench/gemv_sweep.py (2026-12-01,
-# one decode token's experts): Q4_K 4 rows x 1 warp 24.5 us per layer against 38.2 at 32 x 4
-# (Qwen3-30B-A3B-like), MXFP4 8 x 1 125.8 us against 139.8 (DeepSeek-V4-Flash-like). The other
-# K-quants take Q4_K's shape and the other 32-element types MXFP4's (same loops; not measured).
-_K_QUANT_SHAPE, _BLOCK32_SHAPE = (4, 1), (8, 1)
+# element type -> (rows per program, warps), where measured (the registry's gemv_shape); a dict
+# bench/gemv_sweep.py overwrites with what it measures
 GEMV_TUNING: dict[ElementType, tuple[int, int]] = {
-    **{t: _K_QUANT_SHAPE for t in (ElementType.Q2_K, ElementType.Q3_K, ElementType.Q4_K, ElementType.Q5_K,
-                                   ElementType.Q6_K)},
-    **{t: _BLOCK32_SHAPE for t in (ElementType.Q8_0, ElementType.Q4_0, ElementType.Q4_1, ElementType.Q5_0,
-                                   ElementType.Q5_1, ElementType.MXFP4)},
+    t: DEQUANTIZERS[t].fused.gemv_shape for t in _TYPE_CODES if DEQUANTIZERS[t].fused.gemv_shape is not None
 }
 COMBINE_BLOCK_H = 256
 # The grouped GEMM (prefill): pairs per block (the tensor-core dot's M; an expert's pairs are cut
@@ -94,6 +123,11 @@ class GemvWeight:
     first_offset: int
     second_offset: int
     split: int
+
+    def __post_init__(self) -> None:
+        if self.element_type not in _TYPE_CODES:
+            raise UnsupportedTypeError(self.element_type, "the fused kernels cannot read it in place "
+                                       "(inference.dequant.registry gives it no fused entry)")
 
     @property
     def code(self) -> int:
@@ -247,7 +281,7 @@ def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: to
         weight.row_bytes, weight.blocks_per_row, out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
         TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(),
-        SPLIT=GEMM_SPLIT if split is None else split, PARTS=module.qt.PARTS[weight.code], num_warps=warps,
+        SPLIT=GEMM_SPLIT if split is None else split, PARTS=GEMM_PARTS[weight.code], num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

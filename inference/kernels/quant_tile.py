@@ -18,9 +18,6 @@ from inference.dequant.triton_common import load_bytes
 from inference.kernels import quant_dot as qd
 from inference.kernels import quant_dot_k as qk
 
-# kernel type code -> the parts `weight_part` splits a step into (floats 1, Q2_K/Q3_K 4, else 2)
-PARTS = {code: 1 if code <= 2 else 4 if code in (9, 10) else 2 for code in range(14)}
-
 
 @triton.jit
 def _flat(w, k, BN: tl.constexpr, BK: tl.constexpr):
@@ -101,7 +98,7 @@ def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
 @triton.jit
 def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl.constexpr, WR: tl.constexpr,
                 BITWISE: tl.constexpr, PART: tl.constexpr):
-    """Part PART of weight_tile's step (PARTS[QT] of them, together its columns): a smaller
+    """Part PART of weight_tile's step (ops.GEMM_PARTS[QT] of them, together its columns): a smaller
     tile ([BN, BK / parts]) for fewer live registers, with its columns and their validity."""
     INTERP = BITWISE
     if QT <= 2:

@@ -1,7 +1,9 @@
 """Every request field of /v1/chat/completions and /v1/completions the server knows, and what it does
 with each: honoured, kept as a tag (written to the access log), or refused with a 400 naming it
-unless it holds the value that means "off". Fields outside this catalogue are logged once per name
-and otherwise ignored (vLLM does the same); docs/inference.md lists this table.
+unless it holds the value that means "off". A field of the other endpoint only (`tools` sent to
+/v1/completions, `suffix` to chat) is refused with a 400 naming it unless it is null. Fields outside
+this catalogue are logged once per name and otherwise ignored (vLLM does the same);
+docs/inference.md lists this table.
 """
 
 from __future__ import annotations

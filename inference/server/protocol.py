@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 from inference.engine import InvalidRequestError, SamplingParams
 from inference.engine.params import MAX_LOGPROBS
-from inference.server.fields import REFUSED, fields_for
+from inference.server.fields import BY_NAME, CHAT, REFUSED, fields_for
 from inference.server.messages import parse_messages
 from inference.server.structured import response_format_grammar
 from inference.server.tools import ToolRequest, parse_tools
@@ -114,6 +114,9 @@ def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
     return tuple(prompts)
 
 
+ENDPOINT_PATHS = {True: "/v1/chat/completions", False: "/v1/completions"}
+
+
 def _check_catalogue(body: dict, chat: bool, unknown: Callable[[list[str]], None]) -> None:
     known = fields_for(chat)
     for name, value in body.items():
@@ -121,7 +124,12 @@ def _check_catalogue(body: dict, chat: bool, unknown: Callable[[list[str]], None
         if field is not None and field.status == REFUSED and not field.accepted(value):
             raise InvalidRequestError(f"'{name}' is not supported by this server ({field.note}), got {shown(value)}",
                                       param=name)
-    unknown([name for name in body if name not in known])
+        if field is None and name in BY_NAME and value is not None:
+            # a field of the other endpoint (`tools` on completions, `suffix` on chat): ignoring it
+            # would answer a request other than the one the client meant
+            other = ENDPOINT_PATHS[CHAT in BY_NAME[name].endpoints]
+            raise InvalidRequestError(f"'{name}' is a field of {other}, not of {ENDPOINT_PATHS[chat]}", param=name)
+    unknown([name for name in body if name not in BY_NAME])
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

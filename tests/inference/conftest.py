@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_server_fixtures import client, server, tiny_server  # noqa: F401  (fixtures of the server tests)
 
 # triton's interpreter on machines without CUDA is switched on in tests/conftest.py
 

@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from inference.kernels import moe_triton as mt
-from inference.kernels.ops import _TYPE_CODES
+from inference.kernels.ops import _TYPE_CODES, GEMM_PARTS
 
 POINTERS = {"x_ptr": "*bf16", "arena_ptr": "*u8", "out_ptr": "*bf16", "x_stride": "i32", "slot_bytes": "i32",
             "off1": "i32", "off2": "i32", "n_split": "i32", "row_bytes": "i32", "nblk": "i32", "out_stride": "i32",
@@ -32,7 +32,7 @@ def variants():
         for split in (True, False):
             yield (f"moe_gemm_kernel type {code} {'parts' if split else 'whole'}", mt.moe_gemm_kernel, GEMM,
                    dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=1, INTERP=False,
-                        SPLIT=split, PARTS=mt.qt.PARTS[code]))
+                        SPLIT=split, PARTS=GEMM_PARTS[code]))
         yield (f"moe_gemv_kernel type {code}", mt.moe_gemv_kernel, GEMV,
                dict(QT=code, NB=blocks, RANK=rank, BLOCK_N=4, WR=1, INTERP=False, TOP_K=8, X_PER_PAIR=False,
                     COUNT_MISSES=True))

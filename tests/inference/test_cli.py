@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
 import re
-import subprocess
 import sys
 
 import pytest
@@ -90,13 +90,14 @@ def test_local_and_storaged_are_exclusive(qwen_bundle, capsys):
     assert exit_.value.code == 2
 
 
-def test_python_m_inference_generate_streams_from_stdin(qwen_bundle, loaded):
-    command = [sys.executable, "-m", "inference", *generate_args(qwen_bundle, "--max-tokens", "6")]
-    command[command.index(PROMPT)] = "-"
-    result = subprocess.run(command, cwd=REPO, input=PROMPT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+def test_generate_reads_the_prompt_from_stdin(qwen_bundle, loaded, capsys, monkeypatch):
+    # in this process: `python -m inference` itself is what every server test's ServerProcess runs
+    args = generate_args(qwen_bundle, "--max-tokens", "6")
+    args[args.index(PROMPT)] = "-"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    assert main(args) == 0
     expected = engine_text(loaded, encode_completion_prompt(loaded.tokenizer, PROMPT), max_tokens=6, temperature=0)
-    assert result.stdout == expected + "\n"
+    assert capsys.readouterr().out == expected + "\n"
 
 
 # --- serve's configuration: TOML file, flags over it, checked before anything loads ----------

@@ -94,15 +94,16 @@ def test_requests_longer_than_the_static_cache_decode_eagerly(qwen_case, eager_t
     ("fused", "local", "publishes no slot map"),
 ])
 def test_why_not_names_the_reason(qwen_case, compute, source, reason):
-    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE)
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE) if source == "storaged" else None
     try:
-        factory = (LocalPackSource if source == "local"
+        factory = (LocalPackSource if daemon is None
                    else lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d))
         with load_model(qwen_case.bundle, device=DEVICE, dtype=torch.bfloat16, expert_source=factory,
                         experts_compute=compute) as loaded:
             assert reason in why_not(loaded.model, loaded.expert_source, torch.device(DEVICE))
     finally:
-        daemon.stop()
+        if daemon is not None:
+            daemon.stop()
 
 
 @pytest.mark.slow

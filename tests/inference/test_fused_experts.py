@@ -205,10 +205,13 @@ class WholeArenaSource(LocalPackSource):
         raise AssertionError(f"layer {layer} acquired {experts} although every expert is resident")
 
 
-@pytest.mark.parametrize("tokens, source", [(1, LocalPackSource), (40, LocalPackSource), (40, ThreeSlotSource),
-                                            (1, WholeArenaSource), (40, WholeArenaSource)],
-                         ids=["pairs", "grouped", "grouped in groups of 3 experts", "pairs from the slot map",
-                              "grouped from the slot map"])
+# Under the interpreter a grouped case takes 10-20 s: "grouped" keeps the grouped GEMM in the fast
+# loop, test_device_gemm_blocks_equal_the_host_table the device block table; the variants of them
+# run with -m slow.
+@pytest.mark.parametrize("tokens, source", [
+    (1, LocalPackSource), (40, LocalPackSource), pytest.param(40, ThreeSlotSource, marks=pytest.mark.slow),
+    (1, WholeArenaSource), pytest.param(40, WholeArenaSource, marks=pytest.mark.slow)],
+    ids=["pairs", "grouped", "grouped in groups of 3 experts", "pairs from the slot map", "grouped from the slot map"])
 def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     """One experts module, decode-sized (per-pair GEMVs) and prefill-sized (grouped GEMM over
     distinct experts: 80 pairs; and, with a source that holds 3 experts, 3 at a time; and with
@@ -265,9 +268,12 @@ def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):
         resolve_compute("quick", torch.device("cpu"), torch.bfloat16)
 
 
-# Under triton's interpreter on the CPU the K-quants with the most sub-block arithmetic take 10-20 s
-# each; the other types keep the grouped GEMM in the fast loop.
-SLOW_GEMM_TYPES = {ElementType.Q3_K, ElementType.Q5_K, ElementType.Q6_K}
+# Under triton's interpreter on the CPU each type takes 4-20 s. The fast loop keeps one float type,
+# three 32-element types and Q4_K: a float or 32-element type's tile decodes through the same
+# quant_dot helpers (weights_float, halves32) as its GEMV, which test_gemv_equals_float64_dot_of_rounded_weights
+# checks for every type; the other types run with -m slow.
+SLOW_GEMM_TYPES = {ElementType.F32, ElementType.F16, ElementType.Q5_0, ElementType.Q5_1, ElementType.MXFP4,
+                   ElementType.Q2_K, ElementType.Q3_K, ElementType.Q5_K, ElementType.Q6_K}
 
 
 @pytest.mark.parametrize("element_type", [pytest.param(t, marks=pytest.mark.slow) if t in SLOW_GEMM_TYPES else t

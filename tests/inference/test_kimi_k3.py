@@ -146,6 +146,7 @@ needs_llamacpp = pytest.mark.skipif(not _llamacpp_available(),
                                     reason="no llama.cpp build (scripts/llamacpp_golden.py fetch build deps)")
 
 
+@pytest.mark.slow  # llama.cpp's converter and binary (~7 s), only where built: the fast loop is the same everywhere
 @needs_llamacpp
 def test_llamacpp_runs_the_same_model(tmp_path):
     """llama.cpp's converter reads our official-layout checkpoint and its graph computes our function
@@ -160,6 +161,7 @@ def test_llamacpp_runs_the_same_model(tmp_path):
     assert relative < F32_RELATIVE_TOLERANCE
 
 
+@pytest.mark.slow  # as above
 @needs_llamacpp
 def test_llamacpp_epsilon_deviation_is_the_only_difference(tmp_path):
     """With rms_norm_eps 1e-5 llama.cpp computes a different function (its MLA low-rank norms and KDA

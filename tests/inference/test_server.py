@@ -1,33 +1,18 @@
-"""The OpenAI-compatible server as a real subprocess, driven with the official openai client."""
+"""The OpenAI-compatible server as a real subprocess, driven with the official openai client (the
+`server` and `client` fixtures: test_server_fixtures.py)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import signal
 import threading
 import time
 
 import openai
 import pytest
-from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, get, metric_values, post, request
+from test_server_fixtures import MODEL, get, metric_values, post, request
 
-MODEL = "tiny-moe"
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the weather."}]
 PROMPT = "The market opens early. Farmers bring"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tiny_bundle(tmp_path_factory), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
 
 
 def test_models_list_names_the_served_model(client):

@@ -9,13 +9,12 @@ Integers out of every range (a seed past int64, 10^30 tokens, a 5000-digit numbe
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import REPO, ServerProcess, request_with_headers
+from test_server_fixtures import REPO, ServerProcess, request_with_headers, serving
 
 MODEL = "tiny-moe"
 CONTEXT = 256  # --max-model-len: the prompt length bound is a few tens of thousands of characters
@@ -246,9 +245,8 @@ def bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(bundle):
-    process = ServerProcess(bundle, "--max-model-len", str(CONTEXT), "--api-key", KEY, model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+    with serving(bundle, "--max-model-len", str(CONTEXT), "--api-key", KEY, model_name=MODEL) as process:
+        yield process
 
 
 def server_paths(bundle: Path) -> list[str]:

@@ -9,13 +9,12 @@ greedy here, so the sampling tests set top_k=0 to sample.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
 import openai
 import pytest
-from test_server_fixtures import REPO, ServerProcess, access_lines, post, rich_bundle
+from test_server_fixtures import REPO, access_lines, post, rich_bundle, serving
 
 from inference.server.fields import FIELDS, HONOURED, REFUSED, TAG, markdown_table
 
@@ -37,15 +36,8 @@ def covers(*names: str):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(rich_bundle(tmp_path_factory, {"top_k": 1, "max_new_tokens": 24}), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
+    with serving(rich_bundle(tmp_path_factory, {"top_k": 1, "max_new_tokens": 24}), model_name=MODEL) as process:
+        yield process
 
 
 def chat(client, **kwargs):
@@ -334,6 +326,33 @@ def test_refused_fields_get_a_400_naming_them(client, name, endpoint):
         else:
             complete(client, extra_body={name: {"asks": "for something"}})
     assert caught.value.body["param"] == name and name in caught.value.message
+
+
+# what a client of one endpoint may send to the other by mistake: refused, never silently dropped
+OTHER_ENDPOINT_CASES = [
+    ("completions", "tools", [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]),
+    ("completions", "tool_choice", "auto"),
+    ("completions", "parallel_tool_calls", False),
+    ("completions", "messages", CHAT),
+    ("completions", "max_completion_tokens", 4),
+    ("completions", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "suffix", "and so on"),
+    ("chat", "best_of", 1),
+    ("chat", "prompt", PROMPT),
+    ("chat", "prompt_embeds", "AAAA"),
+]
+
+
+@pytest.mark.parametrize("endpoint, name, value", OTHER_ENDPOINT_CASES,
+                         ids=[f"{n}-to-{e}" for e, n, _ in OTHER_ENDPOINT_CASES])
+def test_a_field_of_the_other_endpoint_gets_a_400_naming_it(client, endpoint, name, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            chat(client, max_tokens=1, extra_body={name: value})
+        else:
+            complete(client, max_tokens=1, extra_body={name: value})
+    assert caught.value.body["param"] == name
+    assert f"'{name}' is a field of /v1/" in caught.value.message
 
 
 def test_unknown_fields_are_logged_once(server, client):

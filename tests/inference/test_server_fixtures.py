@@ -1,10 +1,15 @@
-"""A live `python -m inference serve` subprocess for the server tests, and raw HTTP helpers.
+"""A live `python -m inference serve` subprocess for the server tests, the fixtures most of them
+share, and raw HTTP helpers.
 
-Imported by test_server*.py; the test at the bottom checks the launcher itself.
+Imported by test_server*.py; tests/inference/conftest.py registers the fixtures below for every
+inference test module. `tiny_server` is the tiny bundle served with default options, one process
+for the whole session; `server` is it unless a module defines its own `server` (with `serving`),
+and `client` talks to the requesting module's `server`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,11 +21,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+import openai
+import pytest
+from test_engine_fixtures import tiny_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 120  # importing torch and transformers on a loaded 2-core CI machine
 _LISTENING = re.compile(r"serving '([^']*)' on (http://\S+)")
+MODEL = "tiny-moe"  # the name the shared `server` fixture serves under
 
 
 class ServerProcess:
@@ -30,7 +41,7 @@ class ServerProcess:
     `lines` collects its stdout and stderr (the log, access log included) as they come.
     """
 
-    def __init__(self, bundle: Path, *extra: str, model_name: str = "tiny-moe", env: dict | None = None,
+    def __init__(self, bundle: Path, *extra: str, model_name: str = MODEL, env: dict | None = None,
                  healthy: bool = True, source: tuple[str, ...] = ("--local",)):
         command = [sys.executable, "-m", "inference", "serve", "--bundle", str(bundle), "--port", "0", *source,
                    "--dtype", "float32", "--torch-threads", "1", "--model-name", model_name, *extra]
@@ -70,6 +81,46 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+
+@contextlib.contextmanager
+def serving(bundle: Path, *extra: str, **options) -> Iterator[ServerProcess]:
+    """A ServerProcess (ServerProcess's arguments) for the `with` block; on leaving it normally the
+    server must stop on SIGINT with status 0 (a clean drain), on an error it is killed."""
+    process = ServerProcess(bundle, *extra, **options)
+    try:
+        yield process
+    except BaseException:
+        process.kill()
+        raise
+    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+
+
+def openai_client(server, api_key: str = "unused", timeout: float = 120) -> openai.OpenAI:
+    """The official client for `server` (anything with a `base_url`: a ServerProcess, an in-process
+    server), without retries: a test sees each reply as the server sent it."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """The tiny bundle served as MODEL with default options, shared by the modules that use it (a
+    test reads its metrics as differences, never as totals)."""
+    with serving(tiny_bundle(tmp_path_factory)) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def server(tiny_server) -> ServerProcess:
+    """The requesting module's server: tiny_server, unless the module defines its own `server`."""
+    return tiny_server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[openai.OpenAI]:
+    """An openai client of the requesting module's `server` fixture (this one's or the module's own)."""
+    with openai_client(server) as client:
+        yield client
 
 
 def request_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
@@ -137,8 +188,6 @@ Reasoning: {{ reasoning_effort }}<|im_end|>
 
 def rich_bundle(tmp_path_factory, generation_config: dict) -> Path:
     """The tiny bundle with RICH_CHAT_TEMPLATE and these generation_config.json sampling defaults."""
-    from test_engine_fixtures import tiny_bundle
-
     source = tiny_bundle(tmp_path_factory)
     bundle = tmp_path_factory.mktemp("rich-bundle") / "bundle"
     shutil.copytree(source, bundle)

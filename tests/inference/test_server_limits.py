@@ -4,37 +4,30 @@ flood) and --request-timeout (408), through the official openai client."""
 from __future__ import annotations
 
 import concurrent.futures
-import signal
 import time
 
 import openai
 import pytest
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, get, metric, post
+from test_server_fixtures import get, metric, openai_client, post, serving
 
 MODEL = "tiny-moe"
 LOOP = "hello world"  # greedy never reaches EOS from here
 REQUEST_TIMEOUT = 4.0  # the 408 test's limit
 
 
-def client_for(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
-    process = ServerProcess(tiny_bundle(tmp_path_factory), "--max-model-len", "256", "--max-tokens", "40",
-                            "--log-level", "warning", model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+    with serving(tiny_bundle(tmp_path_factory), "--max-model-len", "256", "--max-tokens", "40",
+                 "--log-level", "warning", model_name=MODEL) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
 def queued(tmp_path_factory):
-    process = ServerProcess(tiny_bundle(tmp_path_factory), "--max-queue", "2", "--request-timeout",
-                            str(REQUEST_TIMEOUT), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+    with serving(tiny_bundle(tmp_path_factory), "--max-queue", "2", "--request-timeout", str(REQUEST_TIMEOUT),
+                 model_name=MODEL) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +35,12 @@ def flooded(tmp_path_factory):
     # no request timeout: on a loaded machine the two requests that wait behind the blocker can
     # take longer than the 408 test's few seconds to be served, and must not time out here
     # one sequence at a time: the blocker runs, two wait, the rest are refused
-    process = ServerProcess(tiny_bundle(tmp_path_factory), "--max-queue", "2", "--max-num-seqs", "1",
-                            model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+    with serving(tiny_bundle(tmp_path_factory), "--max-queue", "2", "--max-num-seqs", "1", model_name=MODEL) as process:
+        yield process
 
 
 def test_max_tokens_is_a_cap_and_the_default(capped):
-    client = client_for(capped)
+    client = openai_client(capped)
     capped = client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=40)
     assert capped.usage.completion_tokens == 40
     default = client.completions.create(model=MODEL, prompt=LOOP, temperature=0)
@@ -64,7 +55,7 @@ def test_max_tokens_is_a_cap_and_the_default(capped):
 
 
 def test_max_model_len_bounds_prompt_and_completion(capped):
-    client = client_for(capped)
+    client = openai_client(capped)
     assert [m.model_dump().get("max_model_len") for m in client.models.list().data] == [256]
     assert post(capped.base_url + "/tokenize", {"prompt": "hi"})[1]["max_model_len"] == 256
     prompt = [5] * 240
@@ -94,7 +85,7 @@ def wait_running(server) -> None:
 @pytest.mark.slow  # starts its own server process and floods it: ~25 s
 def test_a_flood_beyond_the_queue_gets_429_with_retry_after(flooded):
     queued = flooded
-    client = client_for(queued)
+    client = openai_client(queued)
     before = metric(get(queued.base_url + "/metrics")[1], "expertpack_inference_queue_full_total")
     blocker = client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=3000, stream=True)
     next(iter(blocker))  # generating: the worker is busy until this stream is closed
@@ -124,7 +115,7 @@ def test_a_flood_beyond_the_queue_gets_429_with_retry_after(flooded):
 
 @pytest.mark.slow  # starts its own server process and waits out a request's time limit: ~25 s
 def test_a_request_past_its_time_limit_gets_408(queued):
-    client = client_for(queued)
+    client = openai_client(queued)
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model=MODEL, prompt=LOOP, temperature=0, max_tokens=4000)

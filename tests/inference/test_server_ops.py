@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.parse
 
@@ -16,7 +14,9 @@ import openai
 import pytest
 from notify_testkit import NotifyReceiver
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import REPO, ServerProcess, access_lines, get, metric, request_with_headers
+from test_server_fixtures import ServerProcess, access_lines, get, metric, openai_client, request_with_headers
+
+from inference.cli import main as inference_main
 
 MODEL = "ops-moe"
 KEYS = {"flag": "k-flag-1", "file": "k-file-2", "env": "k-env-3"}
@@ -60,13 +60,13 @@ def test_ready_is_sent_once_the_model_is_loaded(server, notify):
 
 @pytest.mark.parametrize("key", list(KEYS.values()), ids=list(KEYS))
 def test_each_configured_key_is_accepted(server, key):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0) as client:
+    with openai_client(server, api_key=key) as client:
         reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
         assert reply.usage.completion_tokens == 2
 
 
 def test_a_missing_or_wrong_key_gets_401(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="not-a-key", max_retries=0) as client:
+    with openai_client(server, api_key="not-a-key") as client:
         with pytest.raises(openai.AuthenticationError) as caught:
             client.models.list()
     assert caught.value.body["code"] == "invalid_api_key"
@@ -137,11 +137,12 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server):
         assert status == 400 and reply["error"]["param"] == param, (path, body)
 
 
-def test_version_endpoint_and_command(server):
+def test_version_endpoint_and_command(server, capsys):
     assert call(server, "GET", "/version", key=None)[1] == {"version": "0.1.0"}
-    result = subprocess.run([sys.executable, "-m", "inference", "--version"], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.strip() == "inference 0.1.0"
+    # in this process: `python -m inference` itself is what every ServerProcess runs
+    with pytest.raises(SystemExit) as exited:
+        inference_main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == "inference 0.1.0"
 
 
 def test_a_client_that_leaves_a_non_streamed_request_is_counted(server):

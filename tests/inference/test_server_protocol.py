@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from inference.engine import Finished, InvalidRequestError, TextDelta, TokenLogprob, Usage
 from inference.engine.generation_defaults import GenerationConfigError, read_generation_defaults
-from inference.server.fields import FIELDS, REFUSED, UnknownFieldLog
+from inference.server.fields import CHAT, FIELDS, REFUSED, UnknownFieldLog
 from inference.server.protocol import parse_request
 from inference.server.responses import CompletionShape
 from inference.server.token_text import TokenTexts
@@ -171,6 +171,22 @@ def test_every_refused_field_accepts_its_off_value_and_refuses_the_rest(field):
     with pytest.raises(InvalidRequestError) as caught:
         parse_request({**base, field.name: {"asks": "for something"}}, chat=chat)
     assert caught.value.param == field.name
+
+
+ONE_ENDPOINT = [f for f in FIELDS if len(f.endpoints) == 1]
+
+
+@pytest.mark.parametrize("field", ONE_ENDPOINT, ids=lambda f: f.name)
+def test_a_field_of_the_other_endpoint_is_refused_naming_it_unless_null(field):
+    chat = CHAT not in field.endpoints  # sent where it does not belong
+    base = {"messages": USER} if chat else {"prompt": "x"}
+    heard = []
+    parse_request({**base, field.name: None}, chat=chat, unknown=heard.extend)
+    assert heard == []  # known to the server, not "unknown": null asks for nothing
+    for value in ({"asks": "for something"}, False, [], "none"):
+        with pytest.raises(InvalidRequestError, match=f"'{field.name}' is a field of /v1/") as caught:
+            parse_request({**base, field.name: value}, chat=chat, unknown=heard.extend)
+        assert caught.value.param == field.name
 
 
 def test_unknown_fields_are_logged_once_per_name(caplog):

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, get, metric, post, request_with_headers
+from test_server_fixtures import ServerProcess, get, metric, post, request_with_headers, serving
 from test_storaged_source_fixtures import (
     StoragedDaemon,
     cases_dir,  # noqa: F401  (the fixture)
@@ -99,10 +98,9 @@ def daemon(storaged_bundle):
 
 @pytest.fixture
 def server(storaged_bundle, daemon):
-    process = ServerProcess(storaged_bundle, model_name=MODEL,
-                            source=("--storaged", str(daemon.socket), "--storaged-model", MODEL))
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
+    with serving(storaged_bundle, model_name=MODEL,
+                 source=("--storaged", str(daemon.socket), "--storaged-model", MODEL)) as process:
+        yield process
 
 
 def test_a_corrupt_object_in_storaged_is_a_502_expert_data_loss(storaged_bundle, daemon, server):
@@ -151,8 +149,7 @@ def test_a_cache_pinned_by_another_client_is_a_503_expert_capacity_exhausted(dae
 def test_a_corrupt_object_in_the_local_pack_is_a_502_expert_data_loss(tmp_path_factory):
     bundle = tmp_path_factory.mktemp("faulty-local") / "bundle-with-a-recognizable-path"
     shutil.copytree(tiny_bundle(tmp_path_factory), bundle)
-    server = ServerProcess(bundle, model_name=MODEL)
-    try:
+    with serving(bundle, model_name=MODEL) as server:
         seen = len(server.lines)
         with corrupted(bundle / "experts.pack"):
             status, body = post(server.base_url + "/v1/completions",
@@ -164,8 +161,6 @@ def test_a_corrupt_object_in_the_local_pack_is_a_502_expert_data_loss(tmp_path_f
         assert metric(get(server.base_url + "/metrics")[1], DATA_LOSS_TOTAL) == 1
         log = new_log(server, seen)
         assert "expert data loss" in log and "checksum" in log and "Traceback" not in log, log
-    finally:
-        assert server.stop(signal.SIGINT) == 0, "".join(server.lines)
 
 
 @pytest.mark.parametrize(("message", "shown"), [

@@ -2,38 +2,23 @@
 weights the model has no idea of JSON, so every reply that parses and validates does so because
 the grammar masked everything else.
 
-Validation uses `jsonschema` (a test dependency), not a check of our own.
+Validation uses `jsonschema` (a test dependency), not a check of our own. The `server` and
+`client` fixtures: test_server_fixtures.py.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import signal
 
 import jsonschema
 import openai
 import pytest
-from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess
+from test_server_fixtures import MODEL
 
-MODEL = "tiny-moe"
 CHAT = [{"role": "user", "content": "Describe the weather as JSON."}]
 REQUESTS = 50
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tiny_bundle(tmp_path_factory), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
 
 
 def _value_schema(rng: random.Random, depth: int) -> dict:

@@ -6,13 +6,12 @@ exercises the template, the grammar, the parser and both response shapes end to 
 from __future__ import annotations
 
 import json
-import signal
 
 import jsonschema
 import openai
 import pytest
-from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, post, rich_bundle
+from test_server_fixtures import MODEL as TINY_MODEL
+from test_server_fixtures import openai_client, post, rich_bundle, serving
 
 MODEL = "rich-moe"
 CHAT = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -27,15 +26,8 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(rich_bundle(tmp_path_factory, {}), model_name=MODEL)
-    yield process
-    assert process.stop(signal.SIGINT) == 0, "".join(process.lines)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
+    with serving(rich_bundle(tmp_path_factory, {}), model_name=MODEL) as process:
+        yield process
 
 
 def chat(client, **kwargs):
@@ -145,13 +137,9 @@ def test_bad_tool_requests_get_a_400_naming_the_field(client, extra, param):
     assert caught.value.body["param"] == param, caught.value.body
 
 
-def test_a_model_whose_template_renders_no_tools_refuses_them(tmp_path_factory):
-    process = ServerProcess(tiny_bundle(tmp_path_factory), model_name="plain")
-    try:
-        with openai.OpenAI(base_url=process.base_url + "/v1", api_key="unused", max_retries=0) as plain:
-            with pytest.raises(openai.BadRequestError) as caught:
-                plain.chat.completions.create(model="plain", messages=CHAT, max_tokens=4, tools=TOOLS,
-                                              tool_choice="none")
-            assert caught.value.body["param"] == "tools" and "does not render tools" in caught.value.message
-    finally:
-        assert process.stop(signal.SIGINT) == 0
+def test_a_model_whose_template_renders_no_tools_refuses_them(tiny_server):
+    with openai_client(tiny_server) as plain:  # the tiny bundle's template renders no tools
+        with pytest.raises(openai.BadRequestError) as caught:
+            plain.chat.completions.create(model=TINY_MODEL, messages=CHAT, max_tokens=4, tools=TOOLS,
+                                          tool_choice="none")
+        assert caught.value.body["param"] == "tools" and "does not render tools" in caught.value.message

@@ -16,7 +16,7 @@ import pytest
 import torch
 from aiohttp import web
 from test_engine_fixtures import FlakyDaemonSource, qwen_bundle  # noqa: F401  (fixtures)
-from test_server_fixtures import get, metric, metric_values, post
+from test_server_fixtures import get, metric, metric_values, openai_client, post
 
 from inference.engine import Engine, EngineMetrics
 from inference.model import load_model
@@ -65,7 +65,7 @@ def flaky_server(qwen_bundle):
 @pytest.fixture
 def client(flaky_server):
     server, _ = flaky_server
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server) as client:
         yield client
 
 

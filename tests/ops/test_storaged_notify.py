@@ -77,10 +77,14 @@ def _start(tmp_path, bundle, env: dict[str, str], *, exec_pid_as_watchdog_pid: b
     return kind(config, socket_path, env=daemon_env(**env))
 
 
+# The daemon's own WATCHDOG_PID (systemd's case) in the fast loop; the other two, a daemon start each,
+# with -m slow: tests/servicekit/test_notify.py's test_watchdog_interval reads every variant in process.
 @pytest.mark.parametrize("case, env, exec_pid, pings", [
-    ("watchdog, no WATCHDOG_PID", {"WATCHDOG_USEC": str(WATCHDOG_USEC)}, False, True),
+    pytest.param("watchdog, no WATCHDOG_PID", {"WATCHDOG_USEC": str(WATCHDOG_USEC)}, False, True,
+                 marks=pytest.mark.slow),
     ("watchdog, WATCHDOG_PID is the daemon", {"WATCHDOG_USEC": str(WATCHDOG_USEC)}, True, True),
-    ("watchdog for another process", {"WATCHDOG_USEC": str(WATCHDOG_USEC), "WATCHDOG_PID": "1"}, False, False),
+    pytest.param("watchdog for another process", {"WATCHDOG_USEC": str(WATCHDOG_USEC), "WATCHDOG_PID": "1"}, False,
+                 False, marks=pytest.mark.slow),
     # without WATCHDOG_USEC: tests/storaged/test_server_lifecycle.py sees STOPPING=1 right after READY=1
 ])
 def test_daemon_ready_watchdog_stopping(tmp_path, bundle, case, env, exec_pid, pings):

@@ -1,4 +1,6 @@
-"""The packtools command line, run for real (`python -m packtools ...` in a subprocess).
+"""The packtools command line: `packtools.cli.main` in this process where a subprocess adds nothing
+(the inputs, inspect), `python -m packtools ...` in a subprocess where the process is the point
+(exit statuses of failed builds, signals, file-size limits).
 
 Bad inputs must give a message naming the culprit, a non-zero exit and no output at all: neither
 the -o path nor a `.NAME.partial-*` staging directory beside it. The bad builds run two at a time
@@ -7,8 +9,10 @@ the -o path nor a `.NAME.partial-*` staging directory beside it. The bad builds 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import io
 import json
 import os
 import resource
@@ -29,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from packformat import PackReader
+from packtools.cli import main
 from packtools.inspect import validate
 from packtools.synth.gguf_cli import synth_gguf_model
 from packtools.synth.hf import synth_hf
@@ -43,6 +48,14 @@ def packtools(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def packtools_here(*args: str) -> subprocess.CompletedProcess:
+    """`packtools ARGS` run by packtools.cli.main in this process, with its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["packtools", *args], code, out.getvalue(), err.getvalue())
+
+
 def leftovers(parent: Path, name: str) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
 
@@ -52,10 +65,10 @@ def leftovers(parent: Path, name: str) -> list[str]:
 def good(tmp_path_factory) -> dict[str, Path]:
     """Valid sources, and a bundle built from one of them by `packtools synth` + `packtools build`."""
     root = tmp_path_factory.mktemp("good")
-    synth = packtools("synth", "qwen3_moe", "--format", "gguf", "--expert-type", "Q4_K", "--experts", "4",
+    synth = packtools_here("synth", "qwen3_moe", "--format", "gguf", "--expert-type", "Q4_K", "--experts", "4",
                       "--seed", "2", "-o", str(root / "model.gguf"))
     assert synth.returncode == 0, synth.stderr
-    built = packtools("build", str(root / "model.gguf"), "-o", str(root / "bundle"))
+    built = packtools_here("build", str(root / "model.gguf"), "-o", str(root / "bundle"))
     assert built.returncode == 0, built.stderr
     assert "wrote" in built.stdout and "experts: 100%" in built.stderr  # the progress bar ran to the end
     (root / "split").mkdir()
@@ -315,7 +328,7 @@ def test_validate_without_full_does_not_read_objects(good):
 
 # ---- inspect ----
 def test_inspect_json_describes_the_bundle(good):
-    run = packtools("inspect", str(good["bundle"]), "--json")
+    run = packtools_here("inspect", str(good["bundle"]), "--json")
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     bundle = good["bundle"]
@@ -346,7 +359,7 @@ def test_inspect_json_describes_the_bundle(good):
         "tokenizer": "gguf-metadata",
         "pack_format": "1.0",  # no 1.1 feature (block-scaled FP4) in use
     }
-    text = packtools("inspect", str(bundle))
+    text = packtools_here("inspect", str(bundle))
     assert text.returncode == 0
     assert "qwen3_moe (Qwen3MoeForCausalLM), from gguf" in text.stdout and "4 per layer, top-2" in text.stdout
 

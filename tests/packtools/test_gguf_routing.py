@@ -97,6 +97,7 @@ def test_kimi_linear_groups_as_llamacpp_reads_them(tmp_path, kv, groups):
     assert (config["num_expert_group"], config["topk_group"]) == groups
 
 
+@pytest.mark.slow  # builds and generates 32 tokens (~14 s); test_kimi_linear_groups_as_llamacpp_reads_them covers the read
 def test_kimi_linear_converter_file_with_two_groups_kept_generates_llamacpps_tokens(tmp_path):
     """The held-out failure: a converter file with expert_group_used_count 2 and no group count built
     to num_expert_group 1, topk_group 2 and crashed in generate ("selected index k out of range").

@@ -27,7 +27,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("address_kind", ["path", "abstract"])
+# abstract addresses with -m slow: tests/servicekit/test_notify.py sends to both kinds in process
+@pytest.mark.parametrize("address_kind", ["path", pytest.param("abstract", marks=pytest.mark.slow)])
 def test_ready_notification_then_sigterm_drains_and_exits_zero(tmp_path, bundle, address_kind):
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     if address_kind == "path":
@@ -58,6 +59,7 @@ def test_ready_notification_then_sigterm_drains_and_exits_zero(tmp_path, bundle,
     assert not daemon.socket.exists()
 
 
+@pytest.mark.slow  # a daemon start (~5 s); SIGINT takes SIGTERM's handler, whose drain the test above checks
 def test_sigint_also_exits_zero(tmp_path, bundle):
     daemon = start_daemon(tmp_path, {"tiny": bundle.path})
     daemon.process.send_signal(signal.SIGINT)
