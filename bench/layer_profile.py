@@ -254,7 +254,8 @@ def run(args) -> dict:
         tuned["gemm"] = gemm_sweep(shape.expert_type, tokens=args.prompt_len)  # and the prefill GEMM's
         print(gemm_report(tuned["gemm"]), flush=True)
     model = prepare_model(shape, args.layers, workdir, with_bf16_checkpoint=False, balanced_routing=True)
-    results = {"shape": shape.name, "layers": args.layers, "budget": args.budget, "prompt_len": args.prompt_len, "moe_layers": model.moe_layers, "gemv_sweep": tuned,
+    results = {"shape": shape.name, "layers": args.layers, "budget": args.budget, "prompt_len": args.prompt_len,
+               "moe_layers": model.moe_layers, "gemv_sweep": tuned,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     for mode in args.modes:
@@ -362,7 +363,8 @@ def report(results: dict) -> str:
     for mode, r in results["modes"].items():
         if "decode_tok_s" in r and r.get("vram_hit_rate") is not None:
             hit = r["vram_hit_rate"]
-            lines.append(f"{mode}: VRAM hit rate {hit:.3f}, per token: acquire {r['acquire_ms_per_token']:.2f} ms, "
+            lines.append(f"{mode}: VRAM hit rate {hit:.3f}, per token: acquire "
+                         f"{r['acquire_ms_per_token']:.2f} ms, "
                          f"SSD {r['bytes_read_per_token'] / 1e6:.1f} MB, H2D {r['h2d_bytes_per_token'] / 1e6:.1f} MB, "
                          f"D2H {r['d2h_bytes_per_token'] / 1e6:.1f} MB, prefetches {r['prefetch_issued_per_token']:.1f} "
                          f"(used {r['prefetch_used_per_token']:.1f}, wasted {r['prefetch_wasted_per_token']:.1f}), "

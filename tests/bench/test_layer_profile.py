@@ -33,8 +33,9 @@ def test_bad_flags_are_refused_naming_them(argv, message, capsys):
 @pytest.mark.slow  # a tiny model built and decoded through a real daemon: about a minute on 2 cores
 def test_a_budgeted_cpu_run_reports_hits_and_traffic(tmp_path):
     results = layer_profile.run(layer_profile.parse_args([
-        "--tiny", "--device", "cpu", "--layers", "2", "--modes", "storaged-eager", "--tokens", "3", "--prompt-len", "8",
-        "--profile-steps", "1", "--budget", "0.5", "--lookahead", "0", "--decode", "sample", "--workdir", str(tmp_path)]))
+        "--tiny", "--device", "cpu", "--layers", "2", "--modes", "storaged-eager", "--tokens", "3",
+        "--prompt-len", "8", "--profile-steps", "1", "--budget", "0.5", "--lookahead", "0", "--decode", "sample",
+        "--workdir", str(tmp_path)]))
     record = results["modes"]["storaged-eager"]
     assert "error" not in record, record.get("error")
     assert results["budget"] == 0.5 and record["budget"] == 0.5 and record["lookahead"] == 0

@@ -24,6 +24,15 @@ def disk_dir(tmp_path_factory) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A per-test directory with a short path: a Unix socket path holds at most 107 bytes, and
+    storaged's gate sockets lie beside the socket (pytest's tmp_path is long, under xdist longer)."""
+    path = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def bundle(disk_dir) -> BuiltBundle:
     path = disk_dir / "bundle"

@@ -67,16 +67,16 @@ def test_sigint_also_exits_zero(tmp_path, bundle):
     assert not daemon.socket.exists()
 
 
-def test_socket_mode_and_stale_socket_replaced(tmp_path, bundle):
-    (tmp_path / "run").mkdir()
+def test_socket_mode_and_stale_socket_replaced(short_tmp_path, bundle):
+    (short_tmp_path / "run").mkdir()
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(tmp_path / "run" / "storaged.sock"))
+    stale.bind(str(short_tmp_path / "run" / "storaged.sock"))
     stale.close()  # bound but nobody listens: what a crashed daemon leaves behind
-    daemon = start_daemon(tmp_path / "run", {"tiny": bundle.path})
+    daemon = start_daemon(short_tmp_path / "run", {"tiny": bundle.path})
     try:
         assert oct(os.stat(daemon.socket).st_mode & 0o777) == oct(0o660)
         # A second daemon on the same socket refuses to steal it from the live one.
-        config = write_config(tmp_path / "second.toml", models={"tiny": bundle.path},
+        config = write_config(short_tmp_path / "second.toml", models={"tiny": bundle.path},
                               vram_cache_bytes=4 * SLOT_BYTES, socket=str(daemon.socket), metrics_address="off")
         result = run_daemon_expecting_failure(config)
         assert result.returncode == 1
@@ -86,15 +86,16 @@ def test_socket_mode_and_stale_socket_replaced(tmp_path, bundle):
         assert daemon.stop() == 0
 
 
-def test_socket_directory_is_created_0750_whatever_the_umask(tmp_path, bundle):
+def test_socket_directory_is_created_0750_whatever_the_umask(short_tmp_path, bundle):
     # the socket's group reaches the socket through the directories made for it; others do not
     previous = os.umask(0o002)  # inherited by the daemon: a lax umask must not widen them
     try:
-        daemon = start_daemon(tmp_path, {"tiny": bundle.path}, socket_path=tmp_path / "a" / "b" / "s.sock")
+        daemon = start_daemon(short_tmp_path, {"tiny": bundle.path}, socket_path=short_tmp_path / "a" / "b" / "s.sock")
     finally:
         os.umask(previous)
     assert daemon.socket.exists()
-    assert [oct(os.stat(d).st_mode & 0o777) for d in (tmp_path / "a", tmp_path / "a" / "b")] == [oct(0o750)] * 2
+    made = (short_tmp_path / "a", short_tmp_path / "a" / "b")
+    assert [oct(os.stat(d).st_mode & 0o777) for d in made] == [oct(0o750)] * 2
     assert daemon.stop() == 0
 
 
