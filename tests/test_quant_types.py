@@ -139,3 +139,25 @@ def test_a_type_without_a_fused_entry_is_refused_by_the_fused_kernels() -> None:
     for etype in (ElementType.UE8M0, ElementType.F4_E2M1X2):
         with pytest.raises(UnsupportedTypeError, match=f"{etype.name}: the fused kernels cannot read it in place"):
             GemvWeight(etype, rows=32, cols=64, row_bytes=32, first_offset=0, second_offset=0, split=32)
+
+
+# The fused kernels switch on these codes, and the launch shapes were measured on the H200 with
+# them (docs/benchmarks.md): the tables derived from the registry must stay these values.
+_GOLDEN_TYPE_CODES = {
+    "F32": (0, 64, 2), "F16": (1, 64, 2), "BF16": (2, 64, 2), "Q8_0": (3, 8, 3), "Q4_0": (4, 8, 3),
+    "Q4_1": (5, 8, 3), "Q5_0": (6, 8, 3), "Q5_1": (7, 8, 3), "MXFP4": (8, 8, 3), "Q2_K": (9, 1, 4),
+    "Q3_K": (10, 1, 4), "Q4_K": (11, 1, 3), "Q5_K": (12, 1, 3), "Q6_K": (13, 1, 4),
+}
+_GOLDEN_K_QUANT_SHAPE, _GOLDEN_BLOCK32_SHAPE = (4, 1), (8, 1)  # GEMV (output rows per program, warps)
+
+
+def test_the_derived_fused_tables_are_the_kernels_golden_values() -> None:
+    from inference.kernels import ops
+
+    assert {t.name: v for t, v in ops._TYPE_CODES.items()} == _GOLDEN_TYPE_CODES
+    assert ops.GEMM_PARTS == {code: 1 if code <= 2 else 4 if code in (9, 10) else 2 for code in range(14)}
+    k_quant, block32 = ops.GEMV_TUNING[ElementType.Q4_K], ops.GEMV_TUNING[ElementType.Q8_0]
+    assert {t.name: v for t, v in ops.GEMV_TUNING.items()} == {
+        **{name: k_quant for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
+        **{name: block32 for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")}}
+    assert (k_quant, block32) == (_GOLDEN_K_QUANT_SHAPE, _GOLDEN_BLOCK32_SHAPE)
