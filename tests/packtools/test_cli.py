@@ -187,7 +187,7 @@ BAD_BUILDS = [
     BadBuild("gguf-wrong-magic", wrong_magic, ("model.gguf", "not a GGUF file", "GGML")),
     BadBuild("gguf-unknown-architecture", handmade("bert"), ("hand.gguf", "unsupported GGUF architecture 'bert'")),
     BadBuild("hf-unknown-architecture", edit_hf("hf", set_config(model_type="llama")),
-             ("unknown architecture 'llama'", "qwen3_moe")),
+             ("model_type 'llama' is not supported", "experts interface", "qwen3_moe")),
     BadBuild("gguf-unsupported-type", handmade(**{"blk.0.ffn_gate_exps.weight": (_Q8_1_EXPERTS, Q.Q8_1)}),
              ("hand.gguf", "blk.0.ffn_gate_exps.weight", "Q8_1")),
     BadBuild("hf-unsupported-dtype", edit_hf("hf", expert_to_float8),
