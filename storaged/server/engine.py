@@ -102,6 +102,9 @@ class StorageEngine:
         self._models = sizes  # model id → ServedModel, for object sizes of demotions
         self._loads: dict[ExpertKey, _Load] = {}
         self._demotions: dict[ExpertKey, asyncio.Future] = {}  # → None once the host copy is complete
+        # reloads of altered hits completed, per key: a verification that began before one ended
+        # saw the old bytes, and must not reload again
+        self._reloaded: dict[ExpertKey, int] = {}
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -139,7 +142,10 @@ class StorageEngine:
                 load = self._start_load(step, model, ReadPriority.DEMAND, reused.get(step.slot))
                 own_loads.append((index, load.issued))
         if self.verifier is not None:
+            reloaded = {step.key: self._reloaded.get(step.key, 0) for step in plan.steps}
             for index, step in await self.verifier.failures(plan.steps, model.pack):
+                if self._reloaded.get(step.key, 0) != reloaded[step.key]:
+                    continue  # reloaded (and checked against its checksum) while this one hashed
                 load, own = self._reload(step, model)
                 if own:
                     own_loads.append((index, load.issued))
@@ -191,7 +197,13 @@ class StorageEngine:
                                  "and is no longer resident")
         reload = self.planner.reload(key)
         self.arena.unpublish([self.slot_map.index(key)])  # visible on return
-        return self._start_load(reload, model, ReadPriority.DEMAND, self.fences.snapshot()), True
+        load = self._start_load(reload, model, ReadPriority.DEMAND, self.fences.snapshot())
+        load.done.add_done_callback(
+            lambda done: not done.cancelled() and done.exception() is None and self._count_reload(key))
+        return load, True
+
+    def _count_reload(self, key: ExpertKey) -> None:
+        self._reloaded[key] = self._reloaded.get(key, 0) + 1
 
     # ---- victims -----------------------------------------------------------------------------
 

@@ -128,3 +128,39 @@ def test_a_daemon_offers_and_counts_hit_verification(disk_dir, bundle):
             assert (stats.hits_verified, stats.hit_mismatches) == (1, 0)
     finally:
         assert daemon.stop() == 0, daemon.stderr()
+
+
+def test_a_check_that_ends_after_the_reload_finished_does_not_reload_again(runtime_of, bundle, monkeypatch):
+    """Two Acquires hash the same altered hit; the second to finish its hash does so after the
+    first one's reload completed: the object is not read a second time (it was checked on load)."""
+    runtime, sessions, model, sync = runtime_of(bundle.path, verify_hits=1.0)
+    slots, _ = asyncio.run(runtime.engine.acquire(sessions.open(model), 4, (1,)))
+    _tamper(runtime, slots[0])
+    before = stats_response(sync)
+    verifier, matches = runtime.engine.verifier, runtime.engine.verifier.matches
+    calls = []
+
+    async def scenario():
+        hashed, release = asyncio.Event(), asyncio.Event()
+
+        async def held_first(slot, entry):
+            matched = await matches(slot, entry)  # the altered bytes, hashed now
+            calls.append(matched)
+            if len(calls) == 1:
+                hashed.set()
+                await release.wait()  # ...but reported only after the other's reload finished
+            return matched
+
+        monkeypatch.setattr(verifier, "matches", held_first)
+        held = asyncio.create_task(runtime.engine.acquire(sessions.open(model), 4, (1,)))
+        await hashed.wait()
+        await runtime.engine.acquire(sessions.open(model), 4, (1,))  # mismatch: reloads
+        while runtime.engine.loads_in_flight:
+            await asyncio.sleep(0.001)
+        release.set()
+        return await held
+
+    got, _ = asyncio.run(scenario())
+    assert calls == [False, False]
+    assert _served(runtime, got[0], len(bundle.payloads[(4, 1)])) == bundle.payloads[(4, 1)]
+    assert stats_response(sync).reads - before.reads == 1
