@@ -14,7 +14,7 @@ from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
 from packtools.gguf.metadata import Metadata
 
 
-def _tiny(size: TinySize) -> dict:
+def tiny_qwen2_moe(size: TinySize) -> dict:
     return {
         "num_experts": size.num_experts,
         "num_experts_per_tok": size.top_k,
@@ -48,6 +48,6 @@ def _write(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
 ARCHITECTURE = Architecture(
     spec=swiglu_spec("qwen2_moe", "num_experts", "moe_intermediate_size", qwen_sparse_layers, ("mlp",), NAMED_PROJ,
                      notes="shared_expert + shared_expert_gate are dense"),
-    tiny=_tiny,
+    tiny=tiny_qwen2_moe,
     gguf=GGUFArch("qwen2_moe", MODEL_ARCH.QWEN2MOE, False, "norm_topk_prob", read_config=_read, write_config=_write),
 )

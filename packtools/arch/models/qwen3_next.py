@@ -14,6 +14,7 @@ import gguf
 import torch
 from transformers import PretrainedConfig
 
+from packtools.arch.models.qwen2_moe import tiny_qwen2_moe
 from packtools.arch.models.qwen3_moe import all_layers_sparse, qwen_sparse_layers
 from packtools.arch.parts import NAMED_PROJ, swiglu_spec
 from packtools.arch.record import Architecture
@@ -30,13 +31,7 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's, and the converter's, where t
 
 def _tiny(size: TinySize) -> dict:
     return {
-        "num_experts": size.num_experts,
-        "num_experts_per_tok": size.top_k,
-        "moe_intermediate_size": size.moe_intermediate_size,
-        "intermediate_size": size.dense_intermediate_size,
-        "shared_expert_intermediate_size": size.dense_intermediate_size,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        **tiny_qwen2_moe(size),  # Qwen2-MoE's experts and gated shared expert
         "head_dim": size.head_dim,
         # two value heads per key head, as Qwen3-Next-80B's 32 over 16
         "linear_num_key_heads": NUM_KEY_VALUE_HEADS,
