@@ -88,7 +88,9 @@ class Arena(abc.ABC):
     The map is what lets a client find hits on the device without a round trip, so its writes
     follow one rule: an entry names a slot only while that slot's bytes are the object's.
     `publish` is called once a copy into the slot has completed, `unpublish` before the slot is
-    reused; both return once the new value is visible to every later reader.
+    reused. `unpublish` returns once the cleared entries are visible to every later reader;
+    `publish` may become visible a little after it returns (a reader that does not see it yet
+    only misses a hit), but always before a later `unpublish` of the same entry returns.
     """
 
     kind: str
@@ -136,7 +138,8 @@ class Arena(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, index: int, slot: int) -> None:
-        """Map entry `index` names `slot` from now on; call only once the slot's bytes are complete."""
+        """Map entry `index` names `slot` from now on (visible soon after, and before any later
+        unpublish of it returns); call only once the slot's bytes are complete."""
 
     @abc.abstractmethod
     def unpublish(self, indices: list[int]) -> None:

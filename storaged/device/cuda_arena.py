@@ -76,6 +76,10 @@ class CudaArena(Arena):
         self._check_map_index(index)
         if not 0 <= slot < self.slot_count:
             raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        # Not waited for: until the fill runs, a reader only misses a hit it could have had. The
+        # wait would block the event loop until this context gets the GPU, which while a client's
+        # kernels run is a time slice (~0.2 ms a publish, several a layer, in front of the next
+        # Acquire).
         self._write_map([index], slot)
 
     def unpublish(self, indices: list[int]) -> None:
@@ -83,10 +87,19 @@ class CudaArena(Arena):
             self._check_map_index(index)
         if indices:
             self._write_map(indices, ABSENT)
+            # Waited for: the slot is overwritten next, and a step launched after this returns
+            # must read the cleared entry (the fence snapshot relies on it). The map stream is
+            # in order, so earlier publishes of these entries are done too.
+            self._map_stream.synchronize()
+
+    def read_map(self, index: int) -> int:
+        self._check_map_index(index)
+        self._live_tensor()  # closed: ArenaClosedError
+        self._map_stream.synchronize()  # publishes in flight land first
+        return int(self._device_map[index].item())
 
     def _write_map(self, indices: list[int], value: int) -> None:
-        """Set entries on the host copy and on the device, wait: a kernel launched by any process
-        after this returns reads the new value. A few microseconds an entry, from the event loop."""
+        """Set entries on the host copy, and on the device by fill kernels on the map stream."""
         if self._tensor is None:
             raise ArenaClosedError(f"CUDA arena on {self.device} is closed")
         device_map = self._device_map
@@ -94,7 +107,6 @@ class CudaArena(Arena):
             for index in indices:
                 self._map_host[index] = value
                 device_map[index:index + 1].fill_(value)
-        self._map_stream.synchronize()
 
     def _live_tensor(self) -> torch.Tensor:
         if self._tensor is None:
