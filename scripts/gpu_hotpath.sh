@@ -5,6 +5,10 @@
 #   is carried (.llamacpp/, bench/llamacpp/pack_source.sh), its binary packed into $OUT/llamacpp for
 #   reuse; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
+#   (5) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
+#   (scripts/moe_coverage.py --device cuda; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
+#   py-spy wheel carried in .whl/, the profile runs under `py-spy record --subprocesses` (daemon
+#   included), its collapsed stacks in $OUT/pyspy.txt.gz.
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,9 +49,21 @@ if [[ -n "${LLAMA_PID:-}" ]]; then
         echo "llama.cpp build failed: $(tail -5 "$OUT/logs/llamacpp-build.log")"; failed=1; fi
 fi
 
+if [[ "${GPU_HOTPATH_COVERAGE:-0}" == 1 ]]; then
+    echo "=== bf16 CUDA coverage"
+    timeout --kill-after=10 "${GPU_HOTPATH_COVERAGE_S:-240}" python3 scripts/moe_coverage.py --device cuda \
+        > "$OUT/logs/coverage.log" 2>&1 || failed=1
+    tail -5 "$OUT/logs/coverage.log"; cp docs/moe_coverage.json "$OUT/moe_coverage.json"
+fi
+
 echo "=== profile"
-timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda \
+WRAP=()
+if [[ "${PROFILE_PYSPY:-0}" == 1 ]]; then
+    WRAP=("$SITE/bin/py-spy" record --subprocesses --nonblocking --rate "${PROFILE_PYSPY_RATE:-100}" --format raw -o /tmp/pyspy.txt --)
+fi
+timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" "${WRAP[@]}" python3 bench/layer_profile.py --device cuda \
     --out "$OUT/profile.json" ${LLAMA_BIN:+--llamacpp-bin "$LLAMA_BIN"} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile.log" | tail -20
 ((PIPESTATUS[0] != 0)) && failed=1
+[[ -f /tmp/pyspy.txt ]] && gzip -c /tmp/pyspy.txt > "$OUT/pyspy.txt.gz"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 exit $failed
