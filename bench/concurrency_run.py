@@ -14,12 +14,14 @@ yet run: a shape whose preparation (at `--prepare-gbps`) and start no longer fit
 past its share no level starts, and a level still running is ended by stopping the server; the
 figures measured so far are written, and the exit status is 1 if any shape or level did not run.
 
-On the H200 test machine, from the repository root (Qwen3-like 12 layers, then DeepSeek-V4-Flash-
-like 4 layers; 8 and 20 GB on disk at most, one at a time; about 5 to 6 minutes, at most about
---time-budget + 15 s):
+On the H200 test machine, from the repository root, with the wheels its image lacks carried in
+.whl/ (gguf, grpcio-health-checking, grpcio-reflection; as bench/run_all.sh installs them) —
+Qwen3-like 12 layers, then DeepSeek-V4-Flash-like 4 layers; 8 and 20 GB on disk at most, one at a
+time; about 5 to 6 minutes, at most about --time-budget + 15 s:
 
-    PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python3 bench/concurrency_run.py --device cuda \\
-        --json $OUT/concurrency.json --time-budget 400
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && \\
+        python3 bench/concurrency_run.py --device cuda --json $OUT/concurrency.json --time-budget 400
 
 On a CPU, at the smoke test's sizes (tests/bench/test_concurrency_run.py):
 
@@ -30,6 +32,7 @@ On a CPU, at the smoke test's sizes (tests/bench/test_concurrency_run.py):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
@@ -51,6 +54,8 @@ DEFAULT_LAYERS = {"qwen3": 12, "deepseek": 4}
 SAMPLE_SEED = 1234
 START_SECONDS = 60  # storaged and the server started, the warm-up and a first level, beyond preparing
 MAX_NUM_SEQS = 256  # inference serve's most
+# what preparing (packtools' GGUF reader and writer), storaged and the server import beyond torch
+NEEDED_MODULES = ("gguf", "grpc", "grpc_health", "grpc_reflection", "aiohttp", "transformers")
 
 
 def shape_keys(text: str) -> tuple[str, ...]:
@@ -332,6 +337,11 @@ def run(args: argparse.Namespace, state: Run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = [name for name in NEEDED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:  # before minutes of preparation, not after
+        print(f"bench/concurrency_run.py: missing Python modules {', '.join(missing)} (install the carried "
+              "wheels first: see the module doc)", file=sys.stderr)
+        return 2
     args.workdir.mkdir(parents=True, exist_ok=True)
     state = Run(args)
 

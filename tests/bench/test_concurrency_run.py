@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # bench/ is a directory of scripts, not an installed package
 
+import bench.concurrency_run as concurrency_run  # noqa: E402
 from bench.concurrency_run import parse_args, ratios  # noqa: E402
 
 DISK_DIR = Path("/var/tmp")  # storaged reads with O_DIRECT, which tmpfs refuses
@@ -68,6 +69,13 @@ def test_a_spent_time_budget_runs_nothing_and_says_so(workdir):
     report = json.loads(out.read_text())
     assert report["shapes"] == [] and [e.split(":")[0] for e in report["errors"]] == ["qwen3", "deepseek"]
     assert all("time budget" in e for e in report["errors"])
+
+
+def test_a_missing_module_stops_the_run_before_anything_starts(workdir, monkeypatch, capsys):
+    monkeypatch.setattr(concurrency_run, "NEEDED_MODULES", ("json", "no_such_module_for_the_test"))
+    assert concurrency_run.main(["--workdir", str(workdir / "work"), "--json", str(workdir / "c.json")]) == 2
+    assert "no_such_module_for_the_test" in capsys.readouterr().err
+    assert not (workdir / "work").exists() and not (workdir / "c.json").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
