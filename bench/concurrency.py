@@ -1,10 +1,15 @@
 """Continuous batching against a running `inference serve --storaged`: aggregate tokens/s and SSD
 bytes per generated token at 1, 2, 4, 8 and 16 concurrent streams.
 
-For each concurrency c: c clients (threads) each stream greedy completions of `--max-tokens`
-tokens (ignore_eos, so every completion has exactly that many) one after another, all of them
-for `--rounds` rounds; the level's wall time runs from the first request to the last stream's
-end. Measured, per level:
+For each concurrency c: c clients (threads) each stream completions of `--max-tokens` tokens
+(ignore_eos, so every completion has exactly that many) one after another, all of them for
+`--rounds` rounds; the level's wall time runs from the first request to the last stream's end.
+Greedy by default; with `--sample-seed S`, temperature 1 and a seed per stream and round (from
+S), so that routing varies token to token as with real text (greedy decoding of random weights
+repeats one token, and with it one set of experts). Before the first level, `--warmup` single
+completions and then one untimed burst of the largest level's streams (a few tokens each) run,
+so that no level pays for first-use work (kernel compilation, CUDA graph capture). Measured, per
+level:
   - aggregate tokens/s: completion tokens (the server's own usage counts) / wall seconds;
   - SSD bytes per generated token: storaged's bytes read from its packs (its Stats RPC, through
     `--storaged SOCKET`) over the level / completion tokens; with `--storaged-pid`, also the
@@ -12,7 +17,8 @@ end. Measured, per level:
     hits not);
   - time to first token and inter-token gap percentiles, over every stream of the level.
 Each level starts from the same prompts (a different prompt per stream, `--prompt-tokens` long),
-so prefill work per stream is equal across levels.
+so prefill work per stream is equal across levels. bench/concurrency_run.py runs this against a
+daemon and a server it starts itself, per model shape, in one command.
 
     python bench/concurrency.py --url http://127.0.0.1:8000 --storaged /run/expertpack/storaged.sock \\
         --storaged-pid $(pidof storaged) --max-tokens 64 --json concurrency.json
@@ -30,6 +36,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +46,7 @@ from bench.common import BenchError, percentile  # noqa: E402
 from bench.e2e.measure import process_read_bytes  # noqa: E402
 
 DEFAULT_STREAMS = (1, 2, 4, 8, 16)
+WARMUP_BURST_TOKENS = 4
 WORDS = ("river", "mill", "stone", "field", "market", "harbor", "lantern", "orchard", "bridge", "valley")
 
 
@@ -75,11 +83,13 @@ class Server:
         models = json.loads(self._request("GET", "/v1/models").read())["data"]
         return models[0]["id"]
 
-    def stream(self, prompt: str, max_tokens: int) -> dict:
-        """One completion streamed: completion tokens (the server's usage), TTFT and token gaps."""
+    def stream(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict:
+        """One completion streamed, greedy or (with a seed) sampled at temperature 1: completion tokens
+        (the server's usage), TTFT and token gaps."""
         started = time.monotonic()
+        sampling = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
         response = self._request("POST", "/v1/completions", {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling,
             "ignore_eos": True, "stream_options": {"include_usage": True}})
         arrivals, usage = [], None
         for raw in response:
@@ -122,14 +132,18 @@ def _delta(after: dict, before: dict, key: str):
     return None if after[key] is None or before[key] is None else after[key] - before[key]
 
 
+def _seed(sample_seed: int | None, stream: int, round_: int) -> int | None:
+    return None if sample_seed is None else sample_seed + 1000 * stream + round_
+
+
 def run_level(server: Server, counters: StoragedCounters, streams: int, *, max_tokens: int, prompt_tokens: int,
-              rounds: int) -> dict:
+              rounds: int, sample_seed: int | None = None) -> dict:
     prompts = [prompt_of(i, prompt_tokens) for i in range(streams)]
     start = threading.Event()
 
     def client(i: int) -> list[dict]:
         start.wait()
-        return [server.stream(prompts[i], max_tokens) for _ in range(rounds)]
+        return [server.stream(prompts[i], max_tokens, _seed(sample_seed, i, r)) for r in range(rounds)]
 
     before = counters.read()
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
@@ -156,7 +170,45 @@ def run_level(server: Server, counters: StoragedCounters, streams: int, *, max_t
     }
 
 
-def _streams(text: str) -> tuple[int, ...]:
+def warm_up(server: Server, *, singles: int, burst: int, max_tokens: int, prompt_tokens: int,
+            sample_seed: int | None = None) -> None:
+    """`singles` completions alone, then `burst` streams at once (untimed; see the module doc)."""
+    for _ in range(singles):
+        server.stream(prompt_of(0, prompt_tokens), max_tokens, _seed(sample_seed, 0, 0))
+    if burst > 1:
+        with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+            for future in [pool.submit(server.stream, prompt_of(i, prompt_tokens), WARMUP_BURST_TOKENS,
+                                       _seed(sample_seed, i, 0)) for i in range(burst)]:
+                future.result()
+
+
+def measure(server: Server, counters: StoragedCounters, streams: tuple[int, ...], *, max_tokens: int,
+            prompt_tokens: int, rounds: int, warmup: int, sample_seed: int | None = None,
+            may_start: Callable[[int, list[dict]], bool] = lambda streams, done: True,
+            on_level: Callable[[dict], None] = lambda level: None) -> list[dict]:
+    """The warm-up, then one run_level per stream count, in order, while `may_start(streams,
+    levels so far)` allows; each level gets speedup_vs_first and goes to `on_level` when done."""
+    warm_up(server, singles=warmup, burst=max(streams) if warmup else 0, max_tokens=max_tokens,
+            prompt_tokens=prompt_tokens, sample_seed=sample_seed)
+    levels: list[dict] = []
+    for count in streams:
+        if not may_start(count, levels):
+            break
+        level = run_level(server, counters, count, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
+                          rounds=rounds, sample_seed=sample_seed)
+        base = (levels or [level])[0]["aggregate_tokens_per_second"]
+        level["speedup_vs_first"] = level["aggregate_tokens_per_second"] / base if base else None
+        levels.append(level)
+        per_token = level["ssd_bytes_per_token"]
+        print(f"{count:3d} streams: {level['aggregate_tokens_per_second']:9.2f} tok/s aggregate, "
+              f"SSD {'-' if per_token is None else f'{per_token:,.0f}'} bytes/token, "
+              f"TTFT p50 {level['ttft_p50_seconds']:.3f} s", flush=True)
+        on_level(level)
+    return levels
+
+
+def parse_stream_counts(text: str) -> tuple[int, ...]:
+    """`--streams`' argparse type: comma-separated counts, each 1 or more."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -176,11 +228,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="storaged's socket: its Stats give the pack bytes read per level")
     parser.add_argument("--storaged-pid", type=int, default=None, metavar="PID",
                         help="storaged's pid: its /proc/PID/io read_bytes per level too")
-    parser.add_argument("--streams", type=_streams, default=DEFAULT_STREAMS, help="default 1,2,4,8,16")
+    parser.add_argument("--streams", type=parse_stream_counts, default=DEFAULT_STREAMS, help="default 1,2,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="about this many prompt tokens (default 32)")
     parser.add_argument("--rounds", type=int, default=2, help="completions per stream per level (default 2)")
-    parser.add_argument("--warmup", type=int, default=1, help="single completions before measuring (default 1)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="single completions before measuring, then one burst of the largest level's streams "
+                             "(default 1; 0: no warm-up)")
+    parser.add_argument("--sample-seed", type=int, default=None, metavar="S",
+                        help="sample at temperature 1, seeded per stream and round from S (default: greedy)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default 600)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here too")
     args = parser.parse_args(argv)
@@ -197,25 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(args.url, args.model, args.api_key, args.timeout)
         counters = StoragedCounters(args.storaged, args.storaged_pid)
-        for _ in range(args.warmup):
-            server.stream(prompt_of(0, args.prompt_tokens), args.max_tokens)
-        levels = []
-        for streams in args.streams:
-            level = run_level(server, counters, streams, max_tokens=args.max_tokens,
-                              prompt_tokens=args.prompt_tokens, rounds=args.rounds)
-            levels.append(level)
-            per_token = level["ssd_bytes_per_token"]
-            print(f"{streams:3d} streams: {level['aggregate_tokens_per_second']:9.2f} tok/s aggregate, "
-                  f"SSD {'-' if per_token is None else f'{per_token:,.0f}'} bytes/token, "
-                  f"TTFT p50 {level['ttft_p50_seconds']:.3f} s", flush=True)
+        levels = measure(server, counters, args.streams, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                         rounds=args.rounds, warmup=args.warmup, sample_seed=args.sample_seed)
     except (BenchError, OSError) as exc:
         print(f"bench/concurrency.py: {exc}", file=sys.stderr)
         return 1
-    base = levels[0]["aggregate_tokens_per_second"]
-    for level in levels:
-        level["speedup_vs_first"] = level["aggregate_tokens_per_second"] / base if base else None
     report = {"url": args.url, "model": server.model, "max_tokens": args.max_tokens,
-              "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "levels": levels}
+              "prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "sample_seed": args.sample_seed,
+              "levels": levels}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

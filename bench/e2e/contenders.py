@@ -20,10 +20,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.e2e.prepare import PreparedModel
+
+if TYPE_CHECKING:
+    from bench.storaged_runs import StoragedProcess
 
 CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial", "llamacpp")
 STORAGED_MODEL = "bench"
@@ -115,20 +119,22 @@ def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtyp
                           closers=[loaded.expert_source.close, loaded.close])
 
 
-def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int, host_tier: bool, fast_path: bool, static_len: int) -> BuiltContender:
+def start_storaged(model: PreparedModel, fraction: float, device: torch.device, workdir: Path, *,
+                   io_parallelism: int, host_tier: bool,
+                   layer_floor: bool = True) -> tuple[StoragedProcess, int, list[str]]:
+    """storaged serving `model` as STORAGED_MODEL with an arena of `fraction` of its experts' slots;
+    returns (the StoragedProcess, its host tier's bytes, notes). With `layer_floor` the arena is
+    raised to one layer's experts where the budget is below that (a prefill then pins a layer's
+    demand at once); without it, a layer touching more experts than the arena holds is computed in
+    groups (inference.experts.forward). The host tier, with `host_tier`, holds as many bytes as
+    the VRAM budget (what the RAM limit leaves room for), and never at 100% or on the CPU."""
     from bench.storaged_runs import StoragedProcess
-    from inference.experts.storaged_source import StoragedExpertSource
-    from inference.model import load_model
     from packformat.bundle import open_bundle
 
     with open_bundle(model.bundle_dir) as bundle:
         stride = bundle.pack.header.object_stride
     budget = budget_bytes(model, fraction)
-    # one layer's demand of a prefill must fit pinned at once (an acquire never evicts pinned slots)
-    floor = model.shape.experts * stride
-    # the host tier holds what the RAM limit (overhead + budget bytes) leaves room for: the budget
-    # itself, and never at 100% (every expert is already in VRAM there)
+    floor = model.shape.experts * stride if layer_floor else 0
     host_bytes = budget if host_tier and fraction < 1.0 and device.type == "cuda" else 0
     notes = [f"io_parallelism {io_parallelism}, host tier {host_bytes} bytes, O_DIRECT, checksums on"]
     if budget < floor:
@@ -138,6 +144,16 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
                              vram_bytes=max(budget, floor), io_parallelism=io_parallelism, host_bytes=host_bytes,
                              staging_buffers=max(io_parallelism, 2),
                              log_path=workdir / f"storaged-{io_parallelism}-{fraction}.log")
+    return daemon, host_bytes, notes
+
+
+def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
+              *, io_parallelism: int, host_tier: bool, fast_path: bool, static_len: int) -> BuiltContender:
+    from inference.experts.storaged_source import StoragedExpertSource
+    from inference.model import load_model
+
+    daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=io_parallelism,
+                                               host_tier=host_tier)
     lookahead = 2 * model.shape.top_k if fast_path else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
