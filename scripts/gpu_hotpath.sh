@@ -6,7 +6,7 @@
 #   reuse; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
 #   (5) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
-#   (scripts/moe_coverage.py --device cuda; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
+#   (scripts/moe_coverage.py --device cuda [--types $GPU_HOTPATH_COVERAGE_TYPES]; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
 #   py-spy wheel carried in .whl/, the profile runs under `py-spy record --subprocesses` (daemon
 #   included), its collapsed stacks in $OUT/pyspy.txt.gz.
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
@@ -51,7 +51,7 @@ fi
 
 if [[ "${GPU_HOTPATH_COVERAGE:-0}" == 1 ]]; then
     echo "=== bf16 CUDA coverage"
-    timeout --kill-after=10 "${GPU_HOTPATH_COVERAGE_S:-240}" python3 scripts/moe_coverage.py --device cuda \
+    timeout --kill-after=10 "${GPU_HOTPATH_COVERAGE_S:-240}" python3 scripts/moe_coverage.py --device cuda ${GPU_HOTPATH_COVERAGE_TYPES:+--types $GPU_HOTPATH_COVERAGE_TYPES} \
         > "$OUT/logs/coverage.log" 2>&1 || failed=1
     tail -5 "$OUT/logs/coverage.log"; cp docs/moe_coverage.json "$OUT/moe_coverage.json"
 fi
