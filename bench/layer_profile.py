@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from bench.e2e.generation import prompt_ids, synchronize, timed_generation, warm_up  # noqa: E402
 from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
+from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
 
 MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-eager", "llamacpp")
 # kernel name -> kind; the first pattern that matches wins
@@ -306,6 +307,10 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
             acquires = after["acquire_seconds"].count - before["acquire_seconds"].count
             traffic["storaged_acquire_us_mean"] = 1e6 * (after["acquire_seconds"].sum - before["acquire_seconds"].sum
                                                          ) / max(1, acquires)
+            phases_after, phases_before = after["acquire_phase_seconds_total"], before["acquire_phase_seconds_total"]
+            traffic["storaged_acquire_phase_us_mean"] = {
+                phase: 1e6 * (phases_after.get(phase, 0.0) - phases_before.get(phase, 0.0)) / max(1, acquires)
+                for phase in ACQUIRE_PHASES}
             traffic["fence_wait_ms_per_token"] = 1e3 * (after["fence_wait_seconds_total"]
                                                         - before["fence_wait_seconds_total"]) / timing["decoded"]
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
@@ -368,7 +373,9 @@ def report(results: dict) -> str:
                          f"SSD {r['bytes_read_per_token'] / 1e6:.1f} MB, H2D {r['h2d_bytes_per_token'] / 1e6:.1f} MB, "
                          f"D2H {r['d2h_bytes_per_token'] / 1e6:.1f} MB, prefetches {r['prefetch_issued_per_token']:.1f} "
                          f"(used {r['prefetch_used_per_token']:.1f}, wasted {r['prefetch_wasted_per_token']:.1f}), "
-                         f"storaged's Acquire {r['storaged_acquire_us_mean']:.0f} us mean, {r['reads_per_token']:.1f} "
+                         f"storaged's Acquire {r['storaged_acquire_us_mean']:.0f} us mean ("
+                         + ", ".join(f"{k} {v:.0f}" for k, v in r['storaged_acquire_phase_us_mean'].items())
+                         + f"), {r['reads_per_token']:.1f} "
                          f"reads of {r['read_ms_mean']:.2f} ms mean, fence waits "
                          f"{r['fence_wait_ms_per_token']:.2f} ms; decode steps "
                          f"through the slot map {r.get('steps_through_slot_map', '-')}, piecewise "

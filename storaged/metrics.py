@@ -164,6 +164,11 @@ class StoragedMetrics:
     def observe_acquire(self, seconds: float) -> None:
         self.observe("acquire_seconds", seconds)
 
+    def observe_acquire_phases(self, **seconds: float) -> None:
+        """Seconds of one Acquire's phases (stats_snapshot.ACQUIRE_PHASES) added to their counters."""
+        for phase, value in seconds.items():
+            self.add("acquire_phase_seconds_total", value, label=phase)
+
     def record_io_error(self) -> None:
         self.add("io_errors_total")
 

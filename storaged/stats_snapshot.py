@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 PREFIX = "expertpack_storaged_"
 TIERS = ("vram", "host")
+ACQUIRE_PHASES = ("plan", "unmap", "issue", "join")  # the engine's steps of one Acquire, in order
 # Object reads: a 4 KiB hit in a fast NVMe queue (~100 us) up to a 100 MiB object on a slow disk.
 READ_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 # Acquire: an all-hit round trip (tens of us) up to a layer of misses from disk.
@@ -106,6 +107,10 @@ FIELDS: tuple[StatField, ...] = (
               reply_mean_us="read_latency_mean_us", buckets=READ_SECONDS_BUCKETS),
     StatField("acquire_seconds", H, "seconds", "Latency of one Acquire, request to reply", reply="acquires",
               reply_mean_us="acquire_latency_mean_us", buckets=ACQUIRE_SECONDS_BUCKETS),
+    StatField("acquire_phase_seconds_total", C, "seconds",
+              "Seconds Acquires spent, by phase: plan (the cache policy), unmap (clearing victims' slot-map "
+              "entries, starting their demotions), issue (until its own copies were issued), join (until "
+              "loads of other requests it joined were complete)", label="phase", label_values=ACQUIRE_PHASES),
     StatField("io_errors_total", C, "reads", "Pack reads the OS failed", reply="io_errors"),
     StatField("checksum_failures_total", C, "objects", "Objects whose crc32 mismatched",
               reply="checksum_failures"),

@@ -128,10 +128,12 @@ class StorageEngine:
         except SlotsExhausted:
             self.metrics.add("capacity_exhausted_total")
             raise
+        planned = time.perf_counter()
         events = [NO_EVENT] * len(plan.steps)
         own_loads: list[tuple[int, asyncio.Future]] = []  # → event index of the copy, or None
         joined: list[asyncio.Future] = []  # → slot, once another request's load is published
         reused = self._retire(plan.evictions, plan.demotions)
+        unmapped = time.perf_counter()
         for index, step in enumerate(plan.steps):
             if step.source is Source.WAIT:
                 load = self._loads[step.key]
@@ -156,9 +158,13 @@ class StorageEngine:
         for index, issued in own_loads:
             event = await asyncio.shield(issued)
             events[index] = NO_EVENT if event is None else event
+        issued_at = time.perf_counter()
         for done in joined:
             await asyncio.shield(done)
-        self.metrics.observe_acquire(time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.metrics.observe_acquire(ended - started)
+        self.metrics.observe_acquire_phases(plan=planned - started, unmap=unmapped - planned,
+                                            issue=issued_at - unmapped, join=ended - issued_at)
         return plan.slots, tuple(events)
 
     def prefetch(self, session: ServerSession, layer: int, experts: tuple[int, ...]) -> int:

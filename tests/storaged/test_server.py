@@ -122,6 +122,12 @@ def test_miss_then_hit_bytes_and_counters(client, served):
     assert vram(after).hits - vram(middle).hits == 3
     assert after.reads == middle.reads and after.bytes_read == middle.bytes_read
     assert after.acquires - before.acquires == 2
+    # the phases partition each Acquire's time: the misses' spent issuing their reads
+    phases = {p: after["acquire_phase_seconds_total"][p] - before["acquire_phase_seconds_total"].get(p, 0.0)
+              for p in after["acquire_phase_seconds_total"]}
+    assert set(phases) == {"plan", "unmap", "issue", "join"}
+    assert sum(phases.values()) == pytest.approx(after["acquire_seconds"].sum - before["acquire_seconds"].sum)
+    assert phases["issue"] > phases["plan"] > 0
     assert after.pins == 3  # still pinned until the stream ends (close above)
     assert _wait_for(lambda: client.stats().pins == 0) is True
 
