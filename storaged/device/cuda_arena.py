@@ -143,6 +143,7 @@ class CudaArena(Arena):
         if self._tensor is None:
             return
         self.synchronize()
+        self._map_stream.synchronize()  # publishes are not waited for when issued
         self._waiter.shutdown(wait=True)
         # torch frees the block only when every client released its mapping (IPC refcount).
         self._tensor = self._device_map = None
