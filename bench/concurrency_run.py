@@ -157,8 +157,16 @@ def seconds_needed(args: argparse.Namespace, key: str) -> float:
     return written / (args.prepare_gbps * 1e9) + START_SECONDS
 
 
-def ratios(levels: list[dict]) -> dict:
-    """Each level against one stream: aggregate tokens/s, and bytes per token (Stats and block layer)."""
+def uniform_routing_share(streams: int, experts: int, top_k: int) -> float:
+    """Distinct experts a layer-step needs for `streams` decode tokens routed uniformly (each token k
+    distinct of E), per token, against one token's k: E·(1 − (1 − k/E)^n) / (n·k). The most batching
+    can save of the bytes per token when routing has no overlap beyond chance, with no cache."""
+    return experts * (1 - (1 - top_k / experts) ** streams) / (streams * top_k)
+
+
+def ratios(levels: list[dict], experts: int | None = None, top_k: int | None = None) -> dict:
+    """Each level against one stream: aggregate tokens/s, and bytes per token (Stats and block layer);
+    with the shape's experts and top_k, the uniform-routing bound on bytes per token beside them."""
     one = next((level for level in levels if level["streams"] == 1), None)
     if one is None:
         return {}
@@ -172,6 +180,9 @@ def ratios(levels: list[dict]) -> dict:
            "ssd_bytes_per_token_vs_1": against("ssd_bytes_per_token"),
            "block_read_bytes_per_token_vs_1": against("block_read_bytes_per_token")}
     eight = out["tokens_per_second_vs_1"].get("8")
+    if experts and top_k:
+        out["uniform_routing_bytes_per_token_vs_1"] = {
+            str(level["streams"]): uniform_routing_share(level["streams"], experts, top_k) for level in levels}
     out["tokens_per_second_8_over_1"] = eight
     out["eight_streams_at_least_4x"] = None if eight is None else eight >= 4.0
     per_token = [level["ssd_bytes_per_token"] for level in levels]
@@ -187,9 +198,13 @@ def markdown(report: dict) -> str:
     def times(value):
         return "–" if value is None else f"{value:.2f}×"
 
+    def gbps(nbytes, seconds):
+        return "–" if nbytes is None or not seconds else f"{nbytes / seconds / 1e9:.2f}"
+
     rows = ["| shape | streams | aggregate tok/s | × 1 stream | SSD MB/token (Stats) | block MB/token "
-            "(/proc) | bytes/token × 1 stream | TTFT p50 s | inter-token p50 ms |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "(/proc) | bytes/token × 1 stream | uniform routing's bound | pack GB/s | TTFT p50 s | "
+            "inter-token p50 ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape in report["shapes"]:
         r = shape.get("ratios", {})
         for level in shape["levels"]:
@@ -198,6 +213,8 @@ def markdown(report: dict) -> str:
                         f"{times(r.get('tokens_per_second_vs_1', {}).get(n))} | {mb(level['ssd_bytes_per_token'])} | "
                         f"{mb(level['block_read_bytes_per_token'])} | "
                         f"{times(r.get('ssd_bytes_per_token_vs_1', {}).get(n))} | "
+                        f"{times(r.get('uniform_routing_bytes_per_token_vs_1', {}).get(n))} | "
+                        f"{gbps(level['pack_bytes_read'], level['wall_seconds'])} | "
                         f"{level['ttft_p50_seconds']:.3f} | {1000 * (level['inter_token_p50_seconds'] or 0):.1f} |")
     notes = [f"- {shape['shape']}: {'; '.join(shape['notes'])}" for shape in report["shapes"]]
     return "\n".join(rows + [""] + notes + [f"- error: {e}" for e in report["errors"]]) + "\n"
@@ -220,7 +237,8 @@ class Run:
 
     def write(self) -> None:
         for shape in self.report["shapes"]:
-            shape["ratios"] = ratios(shape["levels"])
+            geometry = shape.get("model", {}).get("shape", {})
+            shape["ratios"] = ratios(shape["levels"], geometry.get("experts"), geometry.get("top_k"))
         if self.args.json is not None:
             self.args.json.parent.mkdir(parents=True, exist_ok=True)
             self.args.json.write_text(json.dumps(self.report, indent=2) + "\n")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # bench/ is a directory of scripts, not an installed package
 
 import bench.concurrency_run as concurrency_run  # noqa: E402
-from bench.concurrency_run import parse_args, ratios  # noqa: E402
+from bench.concurrency_run import parse_args, ratios, uniform_routing_share  # noqa: E402
 
 DISK_DIR = Path("/var/tmp")  # storaged reads with O_DIRECT, which tmpfs refuses
 MAX_TOKENS = 3
@@ -125,6 +125,22 @@ def test_ratios_against_one_stream(levels, eight_over_one, at_least_4x, falling)
     assert got["eight_streams_at_least_4x"] is at_least_4x
     assert got["ssd_bytes_per_token_falling"] is falling
     assert got["tokens_per_second_vs_1"]["1"] == 1.0
+
+
+@pytest.mark.parametrize("streams, experts, top_k, share", [
+    (1, 128, 8, 1.0),  # one token: its k experts
+    (8, 128, 8, 0.8066),  # 51.6 distinct of 64 picks
+    (4, 16, 16, 0.25),  # every token picks every expert: n tokens share one read each
+    (2, 256, 6, 0.9883),
+])
+def test_uniform_routing_share(streams, experts, top_k, share):
+    assert uniform_routing_share(streams, experts, top_k) == pytest.approx(share, abs=1e-4)
+
+
+def test_ratios_carry_the_uniform_routing_bound_when_the_shape_is_known():
+    got = ratios([_level(1, 10, 100), _level(8, 20, 80)], experts=128, top_k=8)
+    assert got["uniform_routing_bytes_per_token_vs_1"] == {"1": 1.0, "8": pytest.approx(0.8066, abs=1e-4)}
+    assert "uniform_routing_bytes_per_token_vs_1" not in ratios([_level(1, 10, 100)])
 
 
 def test_no_one_stream_level_no_ratios():
