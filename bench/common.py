@@ -303,3 +303,21 @@ def percentile(sorted_values: list[float], q: float) -> float:
     rank = max(1, math.ceil(q / 100 * len(sorted_values)))
     return sorted_values[rank - 1]
 
+
+def stop_process(process, timeout: float = 60.0) -> int:
+    """SIGTERM a child process (if it still runs), then wait_or_kill. Its exit status."""
+    if process.poll() is None:
+        process.terminate()
+    return wait_or_kill(process, timeout)
+
+
+def wait_or_kill(process, timeout: float = 60.0) -> int:
+    """Wait for a child process to exit; SIGKILL it after `timeout` s. Its exit status."""
+    import subprocess
+
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return process.returncode

@@ -240,12 +240,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default 600)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here too")
     args = parser.parse_args(argv)
+    check_level_args(parser, args)
+    return args
+
+
+def check_level_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (parser.error, naming the flag) level settings that cannot run."""
     for name in ("max_tokens", "prompt_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be 1 or more")
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 from bench.common import BenchError  # noqa: E402
-from bench.concurrency import DEFAULT_STREAMS, Server, StoragedCounters, measure, parse_stream_counts  # noqa: E402
+from bench.concurrency import (DEFAULT_STREAMS, Server, StoragedCounters, check_level_args, measure,  # noqa: E402
+                               parse_stream_counts)
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from bench.serve_process import ServeProcess  # noqa: E402
 
@@ -120,11 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="GB/s that preparing a model (GGUF, then pack) is assumed to write, to tell whether "
                              "a shape still fits the time left (default 0.3)")
     args = parser.parse_args(argv)
-    for name in ("max_tokens", "prompt_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be 1 or more")
-    if args.warmup < 0:
-        parser.error("--warmup must be 0 or more")
+    check_level_args(parser, args)
     if max(args.streams) > MAX_NUM_SEQS:
         parser.error(f"--streams: at most {MAX_NUM_SEQS} (inference serve's --max-num-seqs limit)")
     if args.time_budget <= 0:

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.common import BenchError
+from bench.common import BenchError, wait_or_kill
 
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = re.compile(r"serving '[^']*' on (http://\S+)")
@@ -87,10 +87,6 @@ class ServeProcess:
     def stop(self) -> int:
         """SIGTERM, wait (SIGKILL after a minute); the exit status."""
         self.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        status = wait_or_kill(self.process)
         self._log.close()
-        return self.process.returncode
+        return status

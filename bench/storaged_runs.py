@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import BenchError, PackGeometry, percentile
+from bench.common import BenchError, PackGeometry, percentile, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 HIT_WARMUP_ACQUIRES = 50  # untimed: the stream and the code paths warm up first
@@ -74,13 +74,7 @@ class StoragedProcess:
     def stop(self, *, check: bool = True) -> None:
         """SIGTERM and wait; with check, a daemon that does not exit 0 raises BenchError."""
         self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         if check and self.process.returncode != 0:
