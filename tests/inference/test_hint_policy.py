@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import sys
+
 import pytest
 
+from inference.experts import hint_policy
 from inference.experts.hint_policy import (
     BATCHED,
     BATCHED_MAX_TOKENS,
@@ -139,3 +143,12 @@ def test_an_empty_prediction_is_neither_sent_nor_withheld():
     policy.observe(3, 1, [1])
     stats = policy.stats()
     assert (stats.hints_sent, stats.withheld, stats.buckets[SINGLE].observations) == (0, 0, 0)
+
+
+def test_the_policy_is_plain_python():
+    tree = ast.parse(open(hint_policy.__file__).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
