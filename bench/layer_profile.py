@@ -66,7 +66,8 @@ def classify(name: str) -> str:
 
 
 def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
-           budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None):
+           budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None,
+           lookahead_min_precision: float | None = None):
     """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
@@ -88,7 +89,8 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
                              if budget < 1 and device.type == "cuda" else 0,
                              staging_buffers=16, log_path=workdir / f"profile-{mode}.log")
     socket = str(daemon.socket_dir / "s.sock")
-    loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
+    governed = {} if lookahead_min_precision is None else {"lookahead_min_precision": lookahead_min_precision}
+    loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead, **governed,
                         expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
     decoder = None
     if mode in ("storaged-graph", "storaged-graph-compiled"):
@@ -278,7 +280,9 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
-                                                     args.budget, lookahead, args.host_budget)
+                                                     args.budget, lookahead, args.host_budget,
+                                                     args.lookahead_min_precision)
+    policy = _hint_policy(built)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
         vocab = built.config.vocab_size
@@ -289,10 +293,12 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         warm_up_s = time.perf_counter() - started
         wait_before = source.expert_wait_seconds() if source is not None else 0.0
         before = daemon.client.stats() if daemon is not None else None
+        hints_before = policy.stats() if policy is not None else None
         timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
                                   tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder,
                                   sample_seed=sample_seed)
         waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
+        hints = {} if policy is None else _hint_traffic(hints_before, policy.stats(), timing["decoded"])
         traffic = {}
         if daemon is not None:  # the timed request's lookups and bytes moved, prefill included
             after = daemon.client.stats()
@@ -325,8 +331,9 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "ms_per_token": 1e3 * timing["decode_seconds"] / timing["decoded"],
               "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
               "warm_up_s": warm_up_s,  # graph captures (and compilation) included
-              "budget": args.budget, "host_budget": args.host_budget, "lookahead": lookahead, "decode": args.decode,
-              **traffic,
+              "budget": args.budget, "host_budget": args.host_budget, "lookahead": lookahead,
+              "lookahead_min_precision": policy.min_precision if policy is not None else None, "decode": args.decode,
+              **traffic, **hints,
               **profiled, "prefill_profile": prefill_profile}
     if decoder is not None:
         record.update(steps_redone=decoder.redone_steps, steps_piecewise=decoder.piecewise_steps,
@@ -337,6 +344,27 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     record["per_layer_us"] = {k: v / args.profile_steps / model.moe_layers
                               for k, v in profiled["device_us_by_kind"].items()}
     return record
+
+
+def _hint_policy(model):
+    """The lookahead's HintPolicy (inference.experts.hint_policy) of a storaged-backed model, or None."""
+    from inference.experts import experts_modules
+    from inference.experts.forward import BINDING_ATTRIBUTE
+
+    for _, module in experts_modules(model).values():
+        binding = getattr(module, BINDING_ATTRIBUTE, None)  # none on the resident model
+        if binding is not None and binding.predict is not None:
+            return binding.predict.policy
+    return None
+
+
+def _hint_traffic(before, after, decoded: int) -> dict:
+    """The timed request's lookahead hints (prefill included) per decoded token, and each width
+    bucket's precision at its end."""
+    return {"hints_sent_per_token": (after.hints_sent - before.hints_sent) / decoded,
+            "hinted_experts_per_token": (after.hinted_experts - before.hinted_experts) / decoded,
+            "hints_withheld_per_token": (after.withheld - before.withheld) / decoded,
+            "hint_precision": {bucket: b.precision for bucket, b in after.buckets.items()}}
 
 
 def report(results: dict) -> str:
@@ -406,6 +434,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="storaged's host tier as a fraction of the experts' bytes (default: --budget)")
     parser.add_argument("--lookahead", type=int, default=None,
                         help="experts per token predicted for the next layer (default: 2 x top-k when --budget < 1)")
+    parser.add_argument("--lookahead-min-precision", type=float, default=None, metavar="F",
+                        help="the lookahead's precision governor: a step width's hints go out only while at least "
+                             "this share of the hinted experts is used (default: inference's, 0.5; 0: always send)")
     parser.add_argument("--decode", choices=("greedy", "sample"), default="greedy",
                         help="sample: temperature 1, seed 1234 (random weights' greedy decoding revisits few experts)")
     parser.add_argument("--gemv-sweep", action="store_true",
@@ -416,6 +447,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--budget must be in (0, 1], got {args.budget}")
     if args.host_budget is not None and not (args.budget < 1 and 0 <= args.host_budget <= 1):
         parser.error(f"--host-budget {args.host_budget}: must be in [0, 1], with --budget < 1")
+    if args.lookahead_min_precision is not None:
+        if not 0 <= args.lookahead_min_precision <= 1:
+            parser.error(f"--lookahead-min-precision {args.lookahead_min_precision}: must be in [0, 1]")
+        if args.lookahead == 0 or (args.lookahead is None and args.budget == 1):
+            parser.error("--lookahead-min-precision needs lookahead on (--lookahead N, or --budget < 1)")
     if args.budget < 1 and {"resident", "llamacpp"} & set(args.modes):
         parser.error("--budget < 1 is for storaged's modes: resident and llamacpp hold every expert (llama.cpp at a "
                      "budget, with host RAM limited, is bench/e2e's matrix)")

@@ -73,6 +73,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = Tru
     parser.add_argument("--lookahead", type=_lookahead, default="auto" if defaults else None, metavar="N|auto",
                         help="experts per token each MoE layer predicts for the next one and hints to storaged "
                              "(0: off; auto, the default: twice the model's top-k with --storaged, off otherwise)")
+    parser.add_argument("--lookahead-min-precision", type=_fraction, default=None, metavar="F",
+                        help="send a step width's lookahead hints only while at least this share of the hinted "
+                             "experts is used by the next layer (default 0.5; 0: always send); needs lookahead on")
     parser.add_argument("--static-cache-len", type=_non_negative, default=4096 if defaults else None,
                         metavar="TOKENS",
                         help="decode through a static KV cache of this many tokens, each step one CUDA graph "
@@ -82,6 +85,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = Tru
 
 def _lookahead(text: str) -> int | str:
     return "auto" if text == "auto" else _non_negative(text)
+
+
+def _fraction(text: str) -> float:  # the range is ModelConfig's to check
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
 
 
 def _non_negative(text: str) -> int:

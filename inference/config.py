@@ -26,6 +26,7 @@ from inference.engine.params import SamplingParams
 from inference.engine.scheduler import DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import COMPUTE_MODES, ExpertSource, LocalPackSource
+from inference.experts.hint_policy import DEFAULT_MIN_PRECISION
 from inference.model import LoadedModel, load_model
 from packformat.bundle import Bundle
 from servicekit.toml_file import TomlFileError, read_toml
@@ -80,6 +81,10 @@ class ModelConfig:
     # experts per token each MoE layer predicts for the next and hints to storaged; 0 off;
     # "auto": 2 x the model's top-k with storaged, off without
     lookahead: int | str = "auto"
+    # hints of a step width (one token / batched decode / prefill chunk) go out only while the
+    # share of hinted experts the next layer used stays at least this (0: always); None: the
+    # default, 0.5. Refused where lookahead is off (nothing to govern).
+    lookahead_min_precision: float | None = None
     # decode through a static KV cache of this many tokens, each step one CUDA graph reading
     # experts via storaged's slot map, where the model allows it; 0 off
     static_cache_len: int = 4096
@@ -99,6 +104,14 @@ class ModelConfig:
         if self.lookahead != "auto" and (isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int)
                                          or self.lookahead < 0):
             raise ConfigError("lookahead", self.lookahead, "expected a number of experts per token, 0, or 'auto'")
+        if self.lookahead_min_precision is not None:
+            value = self.lookahead_min_precision
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError("lookahead_min_precision", value, "expected a fraction from 0 to 1")
+            if self.lookahead == 0 or (self.lookahead == "auto" and not self.storaged):
+                raise ConfigError("lookahead_min_precision", value,
+                                  "given with lookahead off (lookahead 0, or auto without storaged): there are "
+                                  "no hints to govern")
         if isinstance(self.static_cache_len, bool) or not isinstance(self.static_cache_len, int) \
                 or self.static_cache_len < 0:
             raise ConfigError("static_cache_len", self.static_cache_len, "expected a number of tokens (0: off)")
@@ -112,6 +125,10 @@ class ModelConfig:
         from packtools.arch import get_arch
 
         return 2 * get_arch(model_config.model_type).top_k(model_config)
+
+    def min_precision(self) -> float:
+        """lookahead_min_precision, the default resolved."""
+        return DEFAULT_MIN_PRECISION if self.lookahead_min_precision is None else float(self.lookahead_min_precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +310,8 @@ def load_from_config(config: ModelConfig) -> LoadedModel:
     lookahead = config.lookahead_for(AutoConfig.from_pretrained(config.bundle))
     return load_model(config.bundle, device=config.device, dtype=DTYPES[config.dtype],
                       expert_source=lambda bundle, device: make_expert_source(config, bundle, device),
-                      experts_compute=config.experts_compute, lookahead=lookahead)
+                      experts_compute=config.experts_compute, lookahead=lookahead,
+                      lookahead_min_precision=config.min_precision())
 
 
 def default_model_name(bundle_dir: str | os.PathLike) -> str:

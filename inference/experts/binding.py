@@ -127,10 +127,13 @@ def select_expertpack(model) -> None:
 
 
 def attach_lookahead(model: torch.nn.Module, bindings: dict[int, ExpertsBinding], source: ExpertSource,
-                     *, per_token: int) -> int:
+                     *, per_token: int, policy=None) -> int:
     """Give each MoE layer but the last a predictor of the next MoE layer's experts, hinted to
-    `source` (which must have `prefetch(layer, experts)`). Returns how many layers got one; a
-    layer whose next block has no recognisable router gets none."""
+    `source` (which must have `prefetch(layer, experts)`) while `policy` (an
+    inference.experts.hint_policy.HintPolicy shared by the layers; None: every hint is sent)
+    finds them precise enough; the next layer's binding reports its experts to the predictor
+    (`hinted_by`). Returns how many layers got one; a layer whose next block has no
+    recognisable router gets none."""
     from inference.experts.lookahead import NextLayerPredictor, router_of
 
     if not callable(getattr(source, "prefetch", None)):
@@ -146,6 +149,8 @@ def attach_lookahead(model: torch.nn.Module, bindings: dict[int, ExpertsBinding]
         router = router_of(block, experts, target.num_experts, target.hidden)
         if router is None:
             continue
-        bindings[layer].predict = NextLayerPredictor(source, next_layer, router[0], per_token, router[1])
+        predictor = NextLayerPredictor(source, next_layer, router[0], per_token, router[1], policy)
+        bindings[layer].predict = predictor
+        bindings[next_layer].hinted_by = predictor
         attached += 1
     return attached

@@ -70,6 +70,9 @@ class ExpertsBinding:
     use_fused_kernels: bool = False
     lookup: DeviceLookup | None = None
     predict: object | None = None  # inference.experts.lookahead.NextLayerPredictor
+    # the previous MoE layer's NextLayerPredictor, told which experts this layer used (it scores
+    # its predictions for this layer by them; inference.experts.hint_policy)
+    hinted_by: object | None = None
     # inference.engine.batch.GATHER: sends the call of a batch step's forward to where the step's
     # forwards meet, so that each MoE layer runs once over the union of their tokens (one acquire)
     gather: object | None = None
@@ -111,8 +114,10 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     for expert in (expert_ids[0], expert_ids[-1]):
         if not 0 <= expert < plan.target.num_experts:
             raise RoutingError(binding.layer, expert, plan.target.num_experts)
+    if binding.hinted_by is not None:
+        binding.hinted_by.observe(tokens, expert_ids)
     if predicted:
-        binding.predict.send(predicted)
+        binding.predict.send(predicted, tokens)
 
     if resident is not None and min(slots) >= 0:  # every expert resident: no Acquire at all
         rows = SlotRows(resident[0].arena, resident[0].stride, tuple(slots))

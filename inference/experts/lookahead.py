@@ -5,7 +5,10 @@ stream changes little from one layer to the next; on the benchmark's balanced-ro
 top-k recall was 0.86, and 0.997 for the top 2k), so the prediction costs one small matmul and
 is sent as a Prefetch hint without waiting: storaged loads the hinted experts from idle read
 bandwidth while this layer computes, demand reads first. A wrong hint costs bandwidth, never
-correctness: the next layer still acquires exactly the experts its router picks.
+correctness: the next layer still acquires exactly the experts its router picks. Whether a
+prediction is sent at all is the HintPolicy's call (inference.experts.hint_policy): the next
+layer's forward reports the experts it used (`observe`), and a width of step whose hints are
+mostly wasted stops sending them until its predictions improve.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from inference.experts.errors import ExpertsError
+from inference.experts.hint_policy import HintPolicy
 
 
 class NextLayerPredictor:
     """Layer `layer`'s MoE input → a mask [E] of the experts `next_layer` probably wants."""
 
     def __init__(self, source, next_layer: int, router_weight: torch.Tensor, per_token: int,
-                 correction_bias: torch.Tensor | None = None):
+                 correction_bias: torch.Tensor | None = None, policy: HintPolicy | None = None):
         if per_token < 1:
             raise ExpertsError(f"lookahead needs at least one expert per token, got {per_token}")
         self.source = source
@@ -29,6 +33,7 @@ class NextLayerPredictor:
         self.per_token = min(per_token, router_weight.shape[0])
         self.bias = correction_bias  # [E] or None: sigmoid routers select on sigmoid(logits) + bias
         self.hinted = 0  # experts hinted so far
+        self.policy = policy if policy is not None else HintPolicy(0.0)  # shared by the model's predictors
 
     def predict(self, hidden: torch.Tensor) -> torch.Tensor:
         """int32 [E], 1 for each expert in some token's predicted top (per_token); no host sync."""
@@ -39,11 +44,17 @@ class NextLayerPredictor:
         mask = torch.zeros(self.weight.shape[0], dtype=torch.int32, device=hidden.device)
         return mask.index_fill_(0, picks, 1)
 
-    def send(self, mask: list[int]) -> None:
+    def send(self, mask: list[int], tokens: int) -> None:
+        """Hint the experts of `mask` (predicted for a step over `tokens` tokens) if the policy
+        says they pay; they are scored against what the next layer uses either way."""
         experts = [expert for expert, wanted in enumerate(mask) if wanted]
-        if experts:
+        if self.policy.predicted(self.next_layer, tokens, experts):
             self.source.prefetch(self.next_layer, experts)
             self.hinted += len(experts)
+
+    def observe(self, tokens: int, used: list[int]) -> None:
+        """The next layer ran over `tokens` tokens with the distinct experts `used`."""
+        self.policy.observe(self.next_layer, tokens, used)
 
 
 def router_of(block: torch.nn.Module, experts: torch.nn.Module, num_experts: int,

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 import inference.models  # noqa: F401  (registers model types transformers lacks, e.g. kimi_k3)
 from inference.experts import (ExpertSource, attach_lookahead, bind_experts, resolve_compute,
                                routed_parameter_names, select_expertpack)
+from inference.experts.hint_policy import DEFAULT_MIN_PRECISION, HintPolicy
 from inference.model.dense import build_meta_model, initialize_non_persistent_buffers, load_dense
 from inference.model.errors import TokenizerLoadError
 from packformat.bundle import DENSE, Bundle, open_bundle
@@ -33,6 +34,7 @@ class LoadedModel:
     config: PretrainedConfig
     bundle: Bundle
     expert_source: ExpertSource
+    hint_policy: HintPolicy | None = None  # the lookahead's precision governor; None without lookahead
 
     def close(self) -> None:
         # A storaged-backed source holds a session (and its pins) until closed.
@@ -79,17 +81,24 @@ def _load_tokenizer(bundle: Bundle):
 
 def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
                expert_source: ExpertSource | ExpertSourceFactory, experts_compute: str = "auto",
-               lookahead: int = 0) -> LoadedModel:
+               lookahead: int = 0, lookahead_min_precision: float = DEFAULT_MIN_PRECISION) -> LoadedModel:
     """Open the bundle and return a model ready for forward/generate on `device`.
 
     Non-routed weights are cast to `dtype` (float32 where the model keeps them in float32);
     routed experts stay on the meta device and are computed from `expert_source`'s objects, by the
     fused kernels or the exact path (`experts_compute`: see inference.experts.resolve_compute).
     `lookahead` > 0: each MoE layer hints the next layer's likely experts (that many per token)
-    to the source (inference.experts.lookahead); the source must take prefetch hints.
+    to the source (inference.experts.lookahead); the source must take prefetch hints. A width of
+    step whose hints' running precision (hinted experts the next layer used) falls below
+    `lookahead_min_precision` stops sending them until it recovers (inference.experts.hint_policy;
+    0: always send); the model's HintPolicy is `LoadedModel.hint_policy`.
     """
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(f"lookahead must be a non-negative number of experts per token, got {lookahead!r}")
+    if isinstance(lookahead_min_precision, bool) or not isinstance(lookahead_min_precision, (int, float)) \
+            or not 0 <= lookahead_min_precision <= 1:
+        raise ValueError(f"lookahead_min_precision must be a fraction in [0, 1], got {lookahead_min_precision!r}")
+    hint_policy = HintPolicy(lookahead_min_precision) if lookahead else None
     device = _resolve_device(device)
     fused_kernels = resolve_compute(experts_compute, device, dtype)
     bundle = open_bundle(bundle_dir)
@@ -106,7 +115,7 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
                      orientation=experts.get("orientation", "out_in"), gate_up_layout=experts.get("gate_up", "concat"),
                      fused_kernels=fused_kernels)
         if lookahead:
-            attach_lookahead(model, bindings, source, per_token=lookahead)
+            attach_lookahead(model, bindings, source, per_token=lookahead, policy=hint_policy)
         if fused_kernels and device.type == "cuda":
             from inference.model.fast_norms import fuse_rms_norms
 
@@ -115,4 +124,4 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
     except BaseException:
         bundle.close()
         raise
-    return LoadedModel(model, tokenizer, model.config, bundle, source)
+    return LoadedModel(model, tokenizer, model.config, bundle, source, hint_policy)

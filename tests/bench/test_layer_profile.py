@@ -21,8 +21,13 @@ from bench import layer_profile  # noqa: E402
     (["--budget", "0.5", "--modes", "resident"], "--budget < 1 is for storaged's modes"),
     (["--host-budget", "0.5"], "--host-budget 0.5: must be in [0, 1], with --budget < 1"),
     (["--budget", "0.5", "--host-budget", "2"], "--host-budget 2.0: must be in [0, 1]"),
+    (["--budget", "0.5", "--lookahead-min-precision", "1.5"], "--lookahead-min-precision 1.5: must be in [0, 1]"),
+    (["--budget", "0.5", "--lookahead", "0", "--lookahead-min-precision", "0.5"],
+     "--lookahead-min-precision needs lookahead on"),
+    (["--lookahead-min-precision", "0.5"], "--lookahead-min-precision needs lookahead on"),
 ], ids=["zero budget", "budget above 1", "llamacpp below 100%", "resident below 100%",
-        "host budget at 100%", "host budget above 1"])
+        "host budget at 100%", "host budget above 1", "min precision above 1", "min precision, lookahead 0",
+        "min precision at 100% (lookahead off)"])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         layer_profile.parse_args(argv)
@@ -44,3 +49,18 @@ def test_a_budgeted_cpu_run_reports_hits_and_traffic(tmp_path):
     assert "expertpack_experts_forward" in record["host_profile"]
     assert "VRAM hit rate" in layer_profile.report(results)
 
+
+
+@pytest.mark.slow  # as above
+def test_a_run_with_lookahead_reports_its_hints(tmp_path):
+    results = layer_profile.run(layer_profile.parse_args([
+        "--tiny", "--device", "cpu", "--layers", "2", "--modes", "storaged-eager", "--tokens", "3",
+        "--prompt-len", "8", "--profile-steps", "1", "--budget", "0.5", "--lookahead", "2",
+        "--lookahead-min-precision", "0", "--decode", "sample", "--workdir", str(tmp_path)]))
+    record = results["modes"]["storaged-eager"]
+    assert "error" not in record, record.get("error")
+    assert record["lookahead"] == 2 and record["lookahead_min_precision"] == 0.0
+    # min precision 0: every prediction is sent, one per step and hinted layer, and scored
+    assert record["hints_sent_per_token"] > 0 and record["hints_withheld_per_token"] == 0
+    assert record["hinted_experts_per_token"] >= record["hints_sent_per_token"]
+    assert 0 <= record["hint_precision"]["single"] <= 1

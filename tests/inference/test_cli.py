@@ -142,6 +142,14 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
     ([], "bundle = 'b'\nport = \n", "not valid TOML"),
     ([], "bundle = 'b'\nexperts_compute = 'fast'\n", "'experts_compute' = 'fast'"),
     ([], "bundle = 'b'\nlookahead = -2\n", "'lookahead' = -2"),
+    (["--bundle", "b", "--storaged", "/s", "--lookahead-min-precision", "1.5"], None,
+     "'lookahead_min_precision' = 1.5"),
+    (["--bundle", "b", "--storaged", "/s", "--lookahead", "0", "--lookahead-min-precision", "0.5"], None,
+     "'lookahead_min_precision' = 0.5: given with lookahead off"),
+    (["--bundle", "b", "--lookahead-min-precision", "0.5"], None,  # auto is off without storaged
+     "'lookahead_min_precision' = 0.5: given with lookahead off"),
+    ([], "bundle = 'b'\nstoraged = '/s'\nlookahead_min_precision = 'high'\n", "'lookahead_min_precision' = 'high'"),
+    ([], "bundle = 'b'\nstoraged = '/s'\nlookahead_min_precision = nan\n", "'lookahead_min_precision' = nan"),
     ([], "bundle = 'b'\nstatic_cache_len = 'long'\n", "'static_cache_len' = 'long'"),
 ])
 def test_bad_serve_configuration_exits_2_naming_the_field(tmp_path, capsys, argv, file, message):
@@ -171,6 +179,29 @@ def test_generate_flags_become_one_generate_config(tmp_path):
     assert config.model == ModelConfig(bundle=tmp_path, dtype="float32", lookahead=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.prompt = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], 0.5),
+    (["--lookahead", "4", "--lookahead-min-precision", "0.25"], 0.25),
+    (["--lookahead", "4", "--lookahead-min-precision", "0"], 0.0),
+])
+def test_generate_lookahead_min_precision_flag(tmp_path, argv, expected):
+    args = build_parser().parse_args(["generate", "--bundle", str(tmp_path), "--prompt", "hi", *argv])
+    assert generate_config_from_args(args).model.min_precision() == expected
+
+
+def test_serve_reads_lookahead_min_precision_from_the_file_and_the_flag(tmp_path):
+    (tmp_path / "inference.toml").write_text("bundle = 'b'\nstoraged = '/s'\nlookahead_min_precision = 0\n")
+    from_file = ["serve", "--config", str(tmp_path / "inference.toml")]
+    assert serve_config_from_args(build_parser().parse_args(from_file)).model.min_precision() == 0.0
+    flag = [*from_file, "--lookahead-min-precision", "0.75"]
+    assert serve_config_from_args(build_parser().parse_args(flag)).model.lookahead_min_precision == 0.75
+
+
+def test_generate_refuses_min_precision_with_lookahead_off(qwen_bundle, capsys):
+    assert main(generate_args(qwen_bundle, "--lookahead", "0", "--lookahead-min-precision", "0.3")) == 2
+    assert "'lookahead_min_precision' = 0.3: given with lookahead off" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fields, message", [
