@@ -83,7 +83,7 @@ class ModelConfig:
     lookahead: int | str = "auto"
     # hints of a step width (one token / batched decode / prefill chunk) go out only while the
     # share of hinted experts the next layer used stays at least this (0: always); None: the
-    # default, 0.5. Refused where lookahead is off (nothing to govern).
+    # default, 0.87. Refused where lookahead is off (nothing to govern).
     lookahead_min_precision: float | None = None
     # decode through a static KV cache of this many tokens, each step one CUDA graph reading
     # experts via storaged's slot map, where the model allows it; 0 off
@@ -124,7 +124,7 @@ class ModelConfig:
             return 0
         from packtools.arch import get_arch
 
-        return 2 * get_arch(model_config.model_type).top_k(model_config)
+        return get_arch(model_config.model_type).top_k(model_config)
 
     def min_precision(self) -> float:
         """lookahead_min_precision, the default resolved."""

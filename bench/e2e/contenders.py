@@ -5,7 +5,7 @@
   gguf_mmap         the naive on-demand loader, bench.e2e.gguf_mmap_source (the "native GGUF path")
   storaged          storaged (O_DIRECT, io_parallelism 16, a host-RAM tier of the same bytes as the VRAM
                     budget, inside the same RAM limit as every contender) through StoragedExpertSource:
-                    fused kernels, lookahead prefetch (2 x top-k), decode steps as CUDA graphs reading
+                    fused kernels, lookahead prefetch (top-k), decode steps as CUDA graphs reading
                     the slot map
   storaged_serial   storaged with io_parallelism 1, no host tier, no lookahead, one acquire per layer:
                     the published SGLang design's serial miss path
@@ -154,7 +154,7 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
 
     daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=io_parallelism,
                                                host_tier=host_tier)
-    lookahead = 2 * model.shape.top_k if fast_path else 0
+    lookahead = model.shape.top_k if fast_path else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
         loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,

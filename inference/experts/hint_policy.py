@@ -26,7 +26,9 @@ from collections.abc import Iterable, Sequence
 # weight of the newest observation in the running precision: ~10 steps of memory, so a change in
 # the traffic (a new prompt, a batch filling up) turns the decision within a few dozen layers
 DEFAULT_ALPHA = 0.1
-DEFAULT_MIN_PRECISION = 0.5  # half the hinted experts used: at most as many wasted reads as useful ones
+# a precision p wastes (1 - p) / p of the bytes the used hints bring: at 0.87 at most ~15% (the
+# most prefetch may add to a step's reads)
+DEFAULT_MIN_PRECISION = 0.87
 DEFAULT_WARMUP = 8  # observations of a bucket before its precision decides
 BATCHED_MAX_TOKENS = 32  # widest step still counted as batched decode; wider ones are prefill chunks
 

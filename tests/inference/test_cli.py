@@ -182,7 +182,7 @@ def test_generate_flags_become_one_generate_config(tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], 0.5),
+    ([], 0.87),
     (["--lookahead", "4", "--lookahead-min-precision", "0.25"], 0.25),
     (["--lookahead", "4", "--lookahead-min-precision", "0"], 0.0),
 ])
