@@ -124,6 +124,8 @@ class Engine:
                              expert_source=loaded.expert_source, static_cache_len=static_cache_len)
         if runner.decoder is not None:  # before the server reports ready, not in the first request
             runner.decoder.prepare()
+        if metrics is not None and getattr(loaded, "hint_policy", None) is not None:
+            metrics.watch_hints(loaded.hint_policy)
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
                    request_timeout=request_timeout, stall_timeout=stall_timeout, max_num_seqs=max_num_seqs,
                    prefill_chunk=prefill_chunk)

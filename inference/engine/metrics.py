@@ -83,5 +83,42 @@ class EngineMetrics:
             self.inter_token_latency.observe(gap)
         self.record_finish(reason or finished.finish_reason)
 
+    def watch_hints(self, policy) -> None:
+        """Export the lookahead's HintPolicy (inference.experts.hint_policy) at every scrape: hints
+        sent, hinted experts, predictions withheld, and each step width's precision and state."""
+        self.registry.register(_HintCollector(policy, self.model))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HintCollector:
+    """Reads a HintPolicy's counters when scraped (they are kept by the policy, not incremented here)."""
+
+    def __init__(self, policy, model: str):
+        self.policy = policy
+        self.model = model
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.policy.stats()
+        for name, doc, value in (
+                ("lookahead_hints", "Lookahead prefetch hints sent to the expert source", stats.hints_sent),
+                ("lookahead_hinted_experts", "Experts named in the lookahead hints sent", stats.hinted_experts),
+                ("lookahead_withheld", "Lookahead predictions not sent: their step width's precision was below "
+                                       "lookahead_min_precision", stats.withheld)):
+            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        precision = GaugeMetricFamily(f"{PREFIX}lookahead_precision", "Running share of the predicted experts the "
+                                      "next layer used, by step width (single, batched, chunk)",
+                                      labels=["model", "width"])
+        sending = GaugeMetricFamily(f"{PREFIX}lookahead_sending", "1 while a step width's lookahead hints are "
+                                    "sent, 0 while withheld", labels=["model", "width"])
+        for width, bucket in stats.buckets.items():
+            if bucket.precision is not None:
+                precision.add_metric([self.model, width], bucket.precision)
+            sending.add_metric([self.model, width], 1.0 if bucket.sending else 0.0)
+        yield precision
+        yield sending

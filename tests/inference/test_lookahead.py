@@ -114,3 +114,30 @@ def test_load_model_refuses_a_bad_min_precision(bundle_dir, value):
     with pytest.raises(ValueError, match="lookahead_min_precision"):
         load_model(bundle_dir, device="cpu", dtype=torch.float32, expert_source=HintRecordingSource, lookahead=2,
                    lookahead_min_precision=value)
+
+
+def test_the_engine_exports_the_hint_counters_as_metrics(tmp_path):
+    from inference.engine import Engine, SamplingParams
+    from inference.engine.metrics import EngineMetrics
+
+    bundle = make_case("qwen3_moe", tmp_path / "b", tokenizer=True, num_layers=LAYERS)[1]
+    with load_model(bundle, device="cpu", dtype=torch.float32, expert_source=HintRecordingSource, lookahead=2,
+                    lookahead_min_precision=0.0) as loaded:
+        metrics = EngineMetrics(model="m")
+        engine = Engine.from_loaded(loaded, metrics=metrics)
+        try:
+            list(engine.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+        finally:
+            engine.close()
+        stats = loaded.hint_policy.stats()
+
+        def value(name, **labels):
+            return metrics.registry.get_sample_value(f"expertpack_inference_{name}", {"model": "m", **labels})
+
+        assert stats.hints_sent > 0
+        assert value("lookahead_hints_total") == stats.hints_sent == len(loaded.expert_source.hints)
+        assert value("lookahead_hinted_experts_total") == stats.hinted_experts
+        assert value("lookahead_withheld_total") == 0
+        assert value("lookahead_precision", width="single") == pytest.approx(stats.buckets["single"].precision)
+        assert value("lookahead_sending", width="single") == 1.0
+        assert b"expertpack_inference_lookahead_hints_total" in metrics.exposition()
