@@ -12,7 +12,7 @@ import gguf
 from transformers import PretrainedConfig
 
 from packtools.gguf.errors import InvalidMetadataError, UnrepresentableConfigError
-from packtools.gguf.metadata import Metadata
+from packtools.gguf.metadata import Metadata, shortest_float
 
 LLM, ATTN, ROPE = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope
 # yarn_log_multiplier is 0.1 * mscale_all_dim in DeepSeek-2 GGUFs (llama.cpp's legacy convention)
@@ -74,6 +74,13 @@ def write_expert_groups(writer: gguf.GGUFWriter, n_group: int | None, topk_group
     if n_group is not None and topk_group is not None and topk_group < n_group:
         writer.add_expert_group_count(n_group)
         writer.add_expert_group_used_count(topk_group)
+
+
+def partial_rope(meta: Metadata, rope_parameters: dict, head_dim: int) -> dict:
+    """`rope_parameters` with the rotated share of each head read back from the file: llama.cpp
+    stores the rotated dims (rope.dimension_count), transformers a partial_rotary_factor."""
+    return {**rope_parameters,
+            "partial_rotary_factor": shortest_float(meta.require(ROPE.DIMENSION_COUNT) / head_dim)}
 
 
 def write_head_dim(writer: gguf.GGUFWriter, head_dim: int) -> None:

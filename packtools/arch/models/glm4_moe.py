@@ -14,9 +14,9 @@ from packtools.arch.models._v3_moe import read_v3_moe, tiny_v3_moe, write_v3_moe
 from packtools.arch.parts import NAMED_PROJ, after_first_k_dense, swiglu_spec
 from packtools.arch.record import Architecture
 from packtools.arch.tiny import TinySize
-from packtools.gguf.config_parts import ATTN, ROPE, TensorFacts, refuse, write_head_dim
+from packtools.gguf.config_parts import ATTN, TensorFacts, partial_rope, refuse, write_head_dim
 from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
-from packtools.gguf.metadata import Metadata, shortest_float
+from packtools.gguf.metadata import Metadata
 
 _Q_NORM = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q_NORM].format(bid=0) + ".weight"
 DEFAULT_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's default, and the converter's
@@ -39,8 +39,7 @@ def _head_dim(config: PretrainedConfig) -> int:
 def _read(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
     default_head_dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     head_dim = meta.get(ATTN.KEY_LENGTH, default_head_dim)
-    rope = {**kwargs["rope_parameters"],
-            "partial_rotary_factor": shortest_float(meta.require(ROPE.DIMENSION_COUNT) / head_dim)}
+    rope = partial_rope(meta, kwargs["rope_parameters"], head_dim)
     return {
         # llama.cpp's glm4moe graph reads a file without the gating key as sigmoid
         **read_v3_moe(meta, "Glm4MoeTopkRouter", absent_gating=gguf.ExpertGatingFuncType.SIGMOID),

@@ -13,10 +13,11 @@ from transformers import PretrainedConfig
 from packtools.arch.parts import W_PROJ, every_layer, swiglu_spec
 from packtools.arch.record import Architecture
 from packtools.arch.tiny import TinySize
-from packtools.gguf.config_parts import ATTN, LLM, ROPE, TensorFacts, refuse, require_gating, write_head_dim
+from packtools.gguf.config_parts import (ATTN, LLM, TensorFacts, partial_rope, refuse, require_gating,
+                                         write_head_dim)
 from packtools.gguf.errors import InvalidMetadataError
 from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
-from packtools.gguf.metadata import Metadata, shortest_float
+from packtools.gguf.metadata import Metadata
 
 SIGMOID = gguf.ExpertGatingFuncType.SIGMOID
 
@@ -39,8 +40,7 @@ def _read(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
         raise InvalidMetadataError(meta.path, meta.key(LLM.EXPERT_WEIGHTS_SCALE), scale,
                                    "transformers' MiniMaxM2 router does not scale the top-k weights")
     head_dim = meta.require(ATTN.KEY_LENGTH)
-    rope = {**kwargs["rope_parameters"],
-            "partial_rotary_factor": shortest_float(meta.require(ROPE.DIMENSION_COUNT) / head_dim)}
+    rope = partial_rope(meta, kwargs["rope_parameters"], head_dim)
     return {
         "num_key_value_heads": meta.require(ATTN.HEAD_COUNT_KV),
         "head_dim": head_dim,

@@ -19,9 +19,9 @@ from packtools.arch.models.qwen3_moe import all_layers_sparse, qwen_sparse_layer
 from packtools.arch.parts import NAMED_PROJ, swiglu_spec
 from packtools.arch.record import Architecture
 from packtools.arch.tiny import NUM_ATTENTION_HEADS, NUM_KEY_VALUE_HEADS, TinySize
-from packtools.gguf.config_parts import ATTN, LLM, ROPE, TensorFacts, refuse, write_head_dim
+from packtools.gguf.config_parts import ATTN, LLM, TensorFacts, partial_rope, refuse, write_head_dim
 from packtools.gguf.gguf_arch import MODEL_ARCH, GGUFArch
-from packtools.gguf.metadata import Metadata, shortest_float
+from packtools.gguf.metadata import Metadata
 from packtools.gguf.tensor_rules import DenseRule, Tensors
 
 SSM = gguf.Keys.SSM
@@ -61,8 +61,7 @@ def _layer_types(meta: Metadata, layers: int) -> list[str]:
 def _read(meta: Metadata, facts: TensorFacts, kwargs: dict) -> dict:
     head_dim = meta.require(ATTN.KEY_LENGTH)
     value_heads = meta.require(SSM.TIME_STEP_RANK)
-    rope = {**kwargs["rope_parameters"],
-            "partial_rotary_factor": shortest_float(meta.require(ROPE.DIMENSION_COUNT) / head_dim)}
+    rope = partial_rope(meta, kwargs["rope_parameters"], head_dim)
     return {
         "num_key_value_heads": meta.require(ATTN.HEAD_COUNT_KV),
         "head_dim": head_dim,
