@@ -7,6 +7,8 @@
                     budget, inside the same RAM limit as every contender) through StoragedExpertSource:
                     fused kernels, lookahead prefetch (top-k), decode steps as CUDA graphs reading
                     the slot map
+  storaged_no_lookahead  storaged as above without lookahead hints: what the hints cost or save in SSD
+                    bytes and time
   storaged_serial   storaged with io_parallelism 1, no host tier, no lookahead, one acquire per layer:
                     the published SGLang design's serial miss path
   llamacpp          llama.cpp's llama-bench on the same GGUF, -ngl 99 plus --n-cpu-moe for the layers whose
@@ -29,10 +31,12 @@ from bench.e2e.prepare import PreparedModel
 if TYPE_CHECKING:
     from bench.storaged_runs import StoragedProcess
 
-CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_serial", "llamacpp")
+CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_no_lookahead", "storaged_serial", "llamacpp")
 STORAGED_MODEL = "bench"
-IO_PARALLELISM = {"storaged": 16, "storaged_serial": 1}
-HOST_TIER = {"storaged": True, "storaged_serial": False}  # host tier bytes = the VRAM budget's
+IO_PARALLELISM = {"storaged": 16, "storaged_no_lookahead": 16, "storaged_serial": 1}
+HOST_TIER = {"storaged": True, "storaged_no_lookahead": True, "storaged_serial": False}  # host bytes = the VRAM budget's
+FAST_PATH = {"storaged": True, "storaged_no_lookahead": True, "storaged_serial": False}
+LOOKAHEAD = {"storaged": True, "storaged_no_lookahead": False, "storaged_serial": False}
 
 
 class ContenderSkipped(Exception):
@@ -148,13 +152,14 @@ def start_storaged(model: PreparedModel, fraction: float, device: torch.device, 
 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int, host_tier: bool, fast_path: bool, static_len: int) -> BuiltContender:
+              *, io_parallelism: int, host_tier: bool, fast_path: bool, lookahead: bool,
+              static_len: int) -> BuiltContender:
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
 
     daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=io_parallelism,
                                                host_tier=host_tier)
-    lookahead = model.shape.top_k if fast_path else 0
+    lookahead = model.shape.top_k if lookahead else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
         loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
@@ -190,7 +195,8 @@ def build_contender(name: str, model: PreparedModel, fraction: float, device: to
     """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped."""
     if name in IO_PARALLELISM:
         return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
-                         host_tier=HOST_TIER[name], fast_path=name == "storaged", static_len=static_len)
+                         host_tier=HOST_TIER[name], fast_path=FAST_PATH[name], lookahead=LOOKAHEAD[name],
+                         static_len=static_len)
     if name == "llamacpp":
         raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}

@@ -83,7 +83,31 @@ def ratio_lines(runs: list[dict]) -> list[str]:
     return ["", "## Decode speed ratios (storaged ÷ contender, same shape and budget)", "",
             "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | "
             "÷ resident (100%) |",
-            "|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs)]
+            "|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs), *lookahead_lines(runs)]
+
+
+LOOKAHEAD_MAX_EXTRA_BYTES = 0.15  # hints may add at most this share of SSD bytes per token
+
+
+def lookahead_lines(runs: list[dict]) -> list[str]:
+    """storaged (lookahead hints) against storaged_no_lookahead at the same shape and budget: SSD
+    bytes per token with ÷ without, and decode tok/s with ÷ without."""
+    by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if r.get("decode_tok_s")}
+    rows = []
+    for (shape, name, fraction), hinted in sorted(by_key.items()):
+        plain = by_key.get((shape, "storaged_no_lookahead", fraction))
+        if name != "storaged" or plain is None:
+            continue
+        with_bytes, without = hinted.get("ssd_bytes_per_token"), plain.get("ssd_bytes_per_token")
+        extra = "–" if not without or with_bytes is None else \
+            ("within" if with_bytes / without <= 1 + LOOKAHEAD_MAX_EXTRA_BYTES else "over")
+        rows.append(f"| {shape} | {fraction:.0%} | {_megabytes(with_bytes)} | {_megabytes(without)} | "
+                    f"{_ratio(with_bytes, without)} ({extra}) | {_ratio(hinted['decode_tok_s'], plain['decode_tok_s'])} |")
+    if not rows:
+        return []
+    return ["", f"### Lookahead hints: with ÷ without (at most +{LOOKAHEAD_MAX_EXTRA_BYTES:.0%} SSD bytes)", "",
+            "| shape | VRAM budget | SSD MB/token with | without | bytes ratio | decode ratio |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def llamacpp_ratio_lines(runs: list[dict]) -> list[str]:
