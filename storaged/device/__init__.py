@@ -13,7 +13,8 @@ Server side
 - `Arena.copy_in(slot, source, nbytes) -> CopyHandle`: source is an `AlignedBuffer` (staging
   buffer or host-tier slot), a uint8 CPU tensor or a writable memoryview. CPU: complete on
   return. CUDA: non-blocking on the arena's copy stream, followed by an interprocess event.
-  `Arena.copy_out(slot, destination, nbytes)` is the reverse. `Arena.slot_tensor(slot, nbytes)`
+  `Arena.copy_out(slot, destination, nbytes)` is the reverse (CUDA: on a second stream, so
+  both directions of the link work at once); copies into and out of one slot run in issue order. `Arena.slot_tensor(slot, nbytes)`
   views a slot in the server process; `synchronize()`, `close()`.
 - `CopyHandle`: `await h.wait()` (event loop), `h.synchronize()` (any thread), `h.done`,
   `h.event_index` (None when already complete, else an index into

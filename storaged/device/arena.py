@@ -48,14 +48,15 @@ def host_bytes(source: HostSource, nbytes: int, what: str) -> torch.Tensor:
 class CopyHandle:
     """Completion of one copy into or out of a slot.
 
-    `event_index` is None when the copy was complete on return (CPU); otherwise it indexes the
-    descriptor's event_handles, and a client stream that waits on that event sees the bytes.
+    `event_index` is None when the copy was complete on return (CPU) or is a copy out (no
+    client waits for one); otherwise it indexes the descriptor's event_handles, and a client
+    stream that waits on that event sees the bytes.
     Events are reused round-robin; a reused event only makes a waiter wait for a later copy on
     the same in-order copy stream, never too little.
     """
 
     def __init__(self, event=None, event_index: int | None = None, keepalive=(), waiter=None):
-        self._event = event  # torch.cuda.Event or None
+        self._event = event  # torch.cuda.Event, a DriverEvent, or None
         self.event_index = event_index
         self._keepalive = keepalive  # source/destination tensors the DMA still touches
         self._waiter = waiter  # executor that runs blocking synchronizes off the event loop

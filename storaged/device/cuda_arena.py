@@ -1,8 +1,8 @@
 """CudaArena: the arena as one CUDA allocation, exported to clients with CUDA IPC.
 
-Copies run on a dedicated copy stream, each followed by an interprocess event from a fixed
+Copies in run on a dedicated copy stream, each followed by an interprocess event from a fixed
 pool, so a client stream can wait for exactly the copies it needs (CopyHandle.event_index)
-while the server's own threads keep going. Importable without CUDA; constructing one without
+while the server's own threads keep going. Copies out run on a second stream. Importable without CUDA; constructing one without
 CUDA raises CudaUnavailableError.
 """
 
@@ -14,8 +14,10 @@ import threading
 import torch
 
 from storaged.device.arena import ABSENT, Arena, CopyHandle, HostSource, host_bytes
+from storaged.device.cuda_driver import DriverApi
 from storaged.device.descriptor import KIND_CUDA_IPC, ArenaDescriptor
-from storaged.device.errors import ArenaClosedError, CudaUnavailableError, SlotRangeError
+from storaged.device.errors import ArenaClosedError, CopySizeError, CudaUnavailableError, SlotRangeError
+from storaged.io.host_memory import AlignedBuffer
 
 
 class CudaArena(Arena):
@@ -47,14 +49,35 @@ class CudaArena(Arena):
             # blocking=True: a server thread in synchronize() sleeps instead of spinning a core.
             self._events = [torch.cuda.Event(blocking=True, interprocess=True) for _ in range(event_count)]
             self._event_handles = tuple(bytes(event.ipc_handle()) for event in self._events)
+        # Copies are issued through the driver (storaged.device.cuda_driver: a few µs each, where
+        # torch's copy_ costs tens on the event loop). Copies out (demotions, verification reads)
+        # run on a stream of their own, so a layer's promotions do not queue behind its
+        # demotions; copies into and out of one slot stay in issue order by stream waits.
+        self._driver = DriverApi(self.device.index or 0)
+        self._base = self._tensor.data_ptr()  # device address of slot 0
+        self._copy_stream_handle = self._copy_stream.cuda_stream
+        self._out_stream = torch.cuda.Stream(self.device)
+        self._out_stream_handle = self._out_stream.cuda_stream
+        self._out_events = [self._driver.create_event() for _ in range(event_count)]
+        self._next_out = 0
+        # slot → CUevent of the last copy into / out of it. Events are reused round-robin, and
+        # a re-recorded event marks a later point of the same in-order stream: a wait on it
+        # may wait longer than needed, never too little.
+        self._slot_in: dict[int, int] = {}
+        self._slot_out: dict[int, int] = {}
         self._next_event = 0
         self._lock = threading.Lock()  # pairs each copy with the event recorded right after it
-        self._waiter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="storaged-copy-wait")
+        self._waiter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="storaged-copy-wait")
 
     @property
     def copy_stream(self) -> torch.cuda.Stream:
-        """The stream every copy_in/copy_out runs on, in issue order."""
+        """The stream every copy_in runs on, in issue order (copy_out runs on `out_stream`)."""
         return self._copy_stream
+
+    @property
+    def out_stream(self) -> torch.cuda.Stream:
+        """The stream every copy_out runs on, in issue order."""
+        return self._out_stream
 
     def descriptor(self) -> ArenaDescriptor:
         tensor = self._live_tensor()
@@ -113,31 +136,60 @@ class CudaArena(Arena):
             raise ArenaClosedError(f"CUDA arena on {self.device} is closed")
         return self._tensor
 
-    def _record(self, keepalive) -> CopyHandle:
-        index = self._next_event
-        self._next_event = (index + 1) % len(self._events)
-        event = self._events[index]
-        event.record(self._copy_stream)
-        return CopyHandle(event, index, keepalive, self._waiter)
+    def _source_address(self, source: HostSource, nbytes: int, what: str) -> tuple[int, object]:
+        """(host address of the first byte, the object that keeps the memory alive)."""
+        if isinstance(source, AlignedBuffer):  # staging and host-tier slots: no tensor view made
+            if source.nbytes < nbytes:
+                raise CopySizeError(f"{what}: host buffer holds {source.nbytes} bytes, the copy needs {nbytes}")
+            return source.address, source
+        host = host_bytes(source, nbytes, what)
+        return host.data_ptr(), host
+
+    def _slot_address(self, slot: int, nbytes: int) -> int:
+        if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
+            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count, nbytes, self.slot_bytes)
+        self._live_tensor()
+        return self._base + slot * self.slot_bytes  # device address of the slot's byte 0
 
     def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
-        """Asynchronous H2D copy (truly async only from pinned memory) on the copy stream."""
-        destination = self.slot_tensor(slot, nbytes)  # uint8 [nbytes] on the device
-        host = host_bytes(source, nbytes, f"copy into slot {slot}")
-        with self._lock, torch.cuda.stream(self._copy_stream):
-            destination.copy_(host, non_blocking=True)
-            return self._record((host,))
+        """Asynchronous H2D copy (truly async only from pinned memory) on the copy stream, after
+        any copy out of the same slot, followed by an interprocess event clients may wait on."""
+        address = self._slot_address(slot, nbytes)
+        host, keepalive = self._source_address(source, nbytes, f"copy into slot {slot}")
+        stream = self._copy_stream_handle
+        with self._lock:
+            pending_out = self._slot_out.pop(slot, None)
+            if pending_out is not None:  # a demotion may still be reading the slot
+                self._driver.wait(stream, pending_out)
+            self._driver.copy_to_device(address, host, nbytes, stream)
+            index = self._next_event
+            self._next_event = (index + 1) % len(self._events)
+            event = self._events[index]
+            self._driver.record(event.cuda_event, stream)
+            self._slot_in[slot] = event.cuda_event
+        return CopyHandle(event, index, (keepalive,), self._waiter)
 
     def copy_out(self, slot: int, destination: HostSource, nbytes: int) -> CopyHandle:
-        """Asynchronous D2H copy of a slot into a (pinned) host buffer."""
-        source = self.slot_tensor(slot, nbytes)
-        host = host_bytes(destination, nbytes, f"copy out of slot {slot}")
-        with self._lock, torch.cuda.stream(self._copy_stream):
-            host.copy_(source, non_blocking=True)
-            return self._record((host,))
+        """Asynchronous D2H copy of a slot into a (pinned) host buffer, on the demotion stream
+        (so it overlaps copies in, which use the other direction of the link), after any copy
+        into the same slot."""
+        address = self._slot_address(slot, nbytes)
+        host, keepalive = self._source_address(destination, nbytes, f"copy out of slot {slot}")
+        stream = self._out_stream_handle
+        with self._lock:
+            pending_in = self._slot_in.pop(slot, None)
+            if pending_in is not None:
+                self._driver.wait(stream, pending_in)
+            self._driver.copy_to_host(host, address, nbytes, stream)
+            event = self._out_events[self._next_out]
+            self._next_out = (self._next_out + 1) % len(self._out_events)
+            self._driver.record(event.cuda_event, stream)
+            self._slot_out[slot] = event.cuda_event
+        return CopyHandle(event, None, (keepalive,), self._waiter)
 
     def synchronize(self) -> None:
         self._copy_stream.synchronize()
+        self._out_stream.synchronize()
 
     def close(self) -> None:
         if self._tensor is None:
@@ -145,6 +197,10 @@ class CudaArena(Arena):
         self.synchronize()
         self._map_stream.synchronize()  # publishes are not waited for when issued
         self._waiter.shutdown(wait=True)
+        for event in self._out_events:
+            event.destroy()
+        self._out_events = []
+        self._driver.close()
         # torch frees the block only when every client released its mapping (IPC refcount).
         self._tensor = self._device_map = None
         self._events = []

@@ -2,8 +2,8 @@
 
 The tiers add up: budgets of b in VRAM and b in host RAM hold about 2b of experts, because the
 host tier holds what VRAM evicted rather than what was read. A VRAM victim is demoted: its bytes
-are copied to a host slot before its VRAM slot is overwritten (the copy runs on the same in-order
-copy stream as the load that overwrites the slot, so that load needs no extra wait). A VRAM miss
+are copied to a host slot before its VRAM slot is overwritten (the arena keeps copies into and
+out of one slot in issue order, so the load that overwrites the slot needs no wait of its own). A VRAM miss
 found in the host tier is copied up (Source.HOST; if the object is still being demoted, after
 the demotion); its host entry then stays as a duplicate made the coldest, so the next demotion
 reuses that slot first, and when the object later leaves VRAM again its host copy is already

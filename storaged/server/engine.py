@@ -17,8 +17,8 @@ request, like any other that wants it, waits for that load (DATA_LOSS if the pac
 A slot taken from a victim is written only after (1) the victim's slot map entry was cleared
 and (2) every session that was mid-step when it was cleared finished that step (fences.py):
 a client reading the map on the device never sees a slot change under a step. A victim with a
-place in the host tier is first copied down (a demotion) on the same in-order copy stream as the
-overwrite, so the overwrite needs no wait of its own.
+place in the host tier is first copied down (a demotion); the arena orders the overwrite after
+it on the device, so the overwrite needs no host wait of its own.
 
 Runs on the event loop thread only, like the planner it drives.
 """
@@ -234,7 +234,7 @@ class StorageEngine:
         future.add_done_callback(_consume_exception)
         self._demotions[key] = future
         try:
-            # Queued now, before any copy into the VRAM slot: the copy stream runs them in order.
+            # Queued now, before any copy into the VRAM slot: the arena runs them in that order.
             handle = self.arena.copy_out(demotion.vram_slot, self.host_tier.slot(demotion.host_slot), nbytes)
         except Exception as exc:  # noqa: BLE001 - a failed demotion only loses a cached copy
             self._end_demotion(key, future, exc)

@@ -76,13 +76,48 @@ def test_pinned_staging_copies_in_and_out_asynchronously():
         asyncio.run(handle.wait())
         assert handle.done and _sha(arena.slot_tensor(2, SLOT - 4096)) == _sha(source.tensor[:SLOT - 4096])
         out = arena.copy_out(2, back, 4096)
-        assert out.event_index == 1
+        assert out.event_index is None  # copies out are the server's own: no client waits on them
         out.synchronize()
         assert torch.equal(back.tensor[:4096], source.tensor[:4096])
         indices = [arena.copy_in(0, source, 4096).event_index for _ in range(4)]
-        assert indices == [2, 3, 0, 1]  # the event pool is reused round-robin
+        assert indices == [1, 2, 3, 0]  # the event pool is reused round-robin
         arena.synchronize()
     pool.close()
+
+
+def test_copies_into_and_out_of_one_slot_run_in_issue_order_across_the_two_streams():
+    """A demotion (copy out) and the load that overwrites its slot (copy in) run on different
+    streams; each is held back behind a busy stream so that, unordered, the other would win."""
+    memory = HostMemory(4, SLOT, pin=True)
+    old, new, back, again = memory.buffers
+    _fill(old, 6)
+    _fill(new, 7)
+    with CudaArena(2, SLOT) as arena:
+        arena.copy_in(0, old, SLOT).synchronize()
+        with torch.cuda.stream(arena.out_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the demotion starts late
+        demotion = arena.copy_out(0, back, SLOT)
+        load = arena.copy_in(0, new, SLOT)  # its stream is idle: unordered, it would land first
+        load.synchronize()
+        demotion.synchronize()
+        assert _sha(back.tensor) == _sha(old.tensor)  # the demotion read the old bytes
+        assert _sha(arena.slot_tensor(0)) == _sha(new.tensor)
+
+        with torch.cuda.stream(arena.copy_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # now the load starts late
+        load = arena.copy_in(1, old, SLOT)
+        read_back = arena.copy_out(1, again, SLOT)  # must see the load's bytes, not the slot's old ones
+        read_back.synchronize()
+        assert load.done
+        assert _sha(again.tensor) == _sha(old.tensor)
+
+        # Sources other than aligned buffers: a uint8 tensor and a writable memoryview.
+        tensor = torch.arange(4096, dtype=torch.int32).to(torch.uint8).pin_memory()
+        arena.copy_in(1, tensor, 4096).synchronize()
+        view = memoryview(bytearray(4096))
+        arena.copy_out(1, view, 4096).synchronize()
+        assert bytes(view) == tensor.numpy().tobytes()
+    memory.close()
 
 
 def test_host_tier_pins_and_copies_to_the_arena():
