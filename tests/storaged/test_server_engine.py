@@ -15,7 +15,7 @@ import pytest
 from storaged.policy import ExpertKey
 from storaged.server.engine import ObjectDataLoss
 from storaged.server.stats import stats_response
-from storaged_testkit import corrupt_object
+from storaged_testkit import SLOT_BYTES, corrupt_object
 
 
 def _slot_bytes(runtime, slot: int, nbytes: int) -> bytes:
@@ -100,3 +100,48 @@ def test_a_cancelled_request_does_not_cancel_its_load(runtime_of, bundle):
     assert _slot_bytes(runtime, slots[0], len(bundle.payloads[(1, 7)])) == bundle.payloads[(1, 7)]
     assert stats_response(sync).reads == 1
     assert runtime.planner.held(leaving.id) == {}
+
+
+def _acquire_without_yielding(engine, session, layer: int, experts: tuple[int, ...]):
+    """Run one Acquire coroutine a single step: its result if it finished without giving the
+    event loop a turn, None if it had to wait."""
+    coroutine = engine.acquire(session, layer, experts, release_other_layers=True)
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    coroutine.close()
+    return None
+
+
+@pytest.mark.parametrize("mid_step", [False, True])
+def test_host_tier_promotions_are_issued_within_the_acquire(runtime_of, bundle, mid_step):
+    """An Acquire whose misses are all in the host tier issues their copies itself and answers
+    without a loop turn; one whose victim slot a session may still be reading (a fence mid-step)
+    must wait instead, and still gets the right bytes once the step finishes."""
+    runtime, sessions, model, sync = runtime_of(bundle.path, vram_cache_bytes=4 * SLOT_BYTES,
+                                             host_cache_bytes=32 * SLOT_BYTES)
+    session = sessions.open(model)
+    reader = runtime.fences.open("reader")
+
+    async def scenario():
+        await runtime.engine.acquire(session, 1, (0, 1), release_other_layers=True)  # read from the pack
+        await runtime.engine.acquire(session, 2, (0, 1), release_other_layers=True)
+        await runtime.engine.acquire(session, 4, (0, 1), release_other_layers=True)  # layer 1's demoted
+        await runtime.engine.drain(10)
+        if mid_step:
+            reader._words[0], reader._words[1] = 5, 4  # STARTED 5, FINISHED 4: in step 5
+        answered = _acquire_without_yielding(runtime.engine, session, 1, (0, 1))
+        if mid_step:
+            assert answered is None
+            reader._words[1] = 5  # the step finished
+            answered = await runtime.engine.acquire(session, 1, (0, 1), release_other_layers=True)
+        await runtime.engine.drain(10)
+        return answered
+
+    slots, _ = asyncio.run(scenario())
+    for expert, slot in zip((0, 1), slots):
+        assert _slot_bytes(runtime, slot, len(bundle.payloads[(1, expert)])) == bundle.payloads[(1, expert)]
+    stats = stats_response(sync)
+    host = next(tier for tier in stats.tiers if tier.tier == "host")
+    assert (stats.reads, host.hits) == (6, 2)  # layer 1's experts came back from the host tier
