@@ -62,8 +62,11 @@ class Scheduler:
         return sum(len(run.sequences) for run in self.runs)
 
     def has_room(self) -> bool:
-        """Whether another request may start now: no started choice waits, and a sequence is free."""
-        return not any(run.waiting for run in self.runs) and self.sequences() < self.max_num_seqs
+        """Whether another request may start now: a place is free once every started choice has
+        one. Started choices are admitted in start order, so a request started now never runs
+        before one started earlier; and every request that arrived while a step ran joins the next
+        step together (their prefills share its expert reads), not one request per step."""
+        return self.sequences() + sum(len(run.waiting) for run in self.runs) < self.max_num_seqs
 
     # --- requests starting and ending ---------------------------------------------------------
 

@@ -183,3 +183,63 @@ def test_the_source_going_away_mid_batch_fails_every_request_of_the_step_then_re
                 list(MAX_TOKENS)
         finally:
             engine.close()
+
+
+class GatedSource(LocalPackSource):
+    """Holds the worker inside a step's first acquire while `gate` is armed, so requests can be
+    submitted while a step runs."""
+
+    def __init__(self, bundle, device):
+        super().__init__(bundle, device)
+        self.armed = False
+        self.inside, self.gate = threading.Event(), threading.Event()
+
+    def acquire_rows(self, layer, experts):
+        if self.armed:
+            self.armed = False
+            self.inside.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return super().acquire_rows(layer, experts)
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 4])
+def test_requests_that_arrive_during_a_step_join_the_next_step_together(qwen_bundle, max_num_seqs):  # noqa: F811
+    """Seven requests submitted while the first one's prefill runs start together in the next
+    step (their prefills share its expert reads), as far as max_num_seqs allows; started
+    requests keep their order."""
+    with load_model(qwen_bundle, device="cpu", dtype=torch.float32, expert_source=GatedSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=max_num_seqs)
+        try:
+            source = model.expert_source
+            requests = prompts(engine.runner.vocab_size)
+            admitted_at: dict[str, int] = {}  # request id → the worker's step that admitted it
+            finished = [threading.Event() for _ in requests]
+            scheduler = engine._scheduler
+            admit = scheduler._admit
+
+            def recording_admit():
+                admit()
+                for run in scheduler.runs:
+                    if run.sequences:
+                        admitted_at.setdefault(run.job.request_id, engine._steps)
+            scheduler._admit = recording_admit
+
+            def sink(index):
+                return lambda event: isinstance(event, Finished) and finished[index].set()
+
+            source.armed = True
+            steps = engine._steps
+            engine.submit(requests[0], greedy(4), sink(0), request_id="0")
+            assert source.inside.wait(30)  # the first request's prefill is inside its step
+            for i, p in enumerate(requests[1:], start=1):
+                engine.submit(p, greedy(4), sink(i), request_id=str(i))
+            source.gate.set()
+            assert all(done.wait(60) for done in finished)
+        finally:
+            engine.close()
+    # the first request starts in step 1; as many others as fit start together in step 2, the rest
+    # as places free up, in submission order
+    started = [admitted_at[str(i)] - steps for i in range(8)]
+    assert started[0] == 1
+    assert started[1:max_num_seqs] == [2] * (max_num_seqs - 1)
+    assert started == sorted(started)
