@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 from bench.common import BenchError  # noqa: E402
 from bench.concurrency import (DEFAULT_STREAMS, Server, StoragedCounters, check_level_args, measure,  # noqa: E402
                                parse_stream_counts)
-from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
+from bench.e2e.shapes import CPU_SCALE_SHAPES, FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from bench.serve_process import ServeProcess  # noqa: E402
 
 # Qwen3-like: 12 of 48 layers (4.1 GB of experts); DeepSeek-like: 1 dense + 3 MoE layers (10.3 GB):
@@ -83,9 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=shape_keys, default=tuple(FULL_SHAPES),
                         help=f"comma-separated, of {', '.join(FULL_SHAPES)} (default: all, in that order)")
-    parser.add_argument("--tiny", action="store_true", help="the shapes' CPU smoke-test sizes")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--tiny", action="store_true", help="the shapes' CPU smoke-test sizes")
+    sizes.add_argument("--cpu-scale", action="store_true",
+                       help="the shapes' routing (experts, top-k) at widths of 256, so batching and the cache "
+                            "behave as at full size on a CPU (default 4 MoE layers)")
     parser.add_argument("--layers", type=int, default=None,
-                        help=f"layers of every shape (default {DEFAULT_LAYERS}; --tiny: 2 MoE layers)")
+                        help=f"layers of every shape (default {DEFAULT_LAYERS}; --tiny: 2 MoE layers; "
+                             "--cpu-scale: 4)")
     parser.add_argument("--budget", type=budget_fraction, default=0.25,
                         help="storaged's arena, as a fraction of the experts' pack slots (default 0.25)")
     parser.add_argument("--layer-floor", action="store_true",
@@ -128,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--time-budget must be more than 0 seconds")
     if args.prepare_gbps <= 0:
         parser.error("--prepare-gbps must be more than 0")
-    shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
+    shapes = shapes_of(args)
     if args.layers is not None:
         short = [k for k in args.shapes if args.layers <= shapes[k].dense_layers]
         if short:
@@ -141,15 +146,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def shapes_of(args: argparse.Namespace) -> dict:
+    return TINY_SHAPES if args.tiny else CPU_SCALE_SHAPES if args.cpu_scale else FULL_SHAPES
+
+
 def layers_of(args: argparse.Namespace, key: str) -> int:
     if args.layers is not None:
         return args.layers
-    return 2 + TINY_SHAPES[key].dense_layers if args.tiny else DEFAULT_LAYERS[key]
+    if args.tiny or args.cpu_scale:
+        return (2 if args.tiny else 4) + shapes_of(args)[key].dense_layers
+    return DEFAULT_LAYERS[key]
 
 
 def seconds_needed(args: argparse.Namespace, key: str) -> float:
     """About how long a shape needs at least: writing its GGUF and pack, then START_SECONDS."""
-    shape = (TINY_SHAPES if args.tiny else FULL_SHAPES)[key]
+    shape = shapes_of(args)[key]
     written = 2 * shape.experts * shape.expert_bytes * shape.moe_layers(layers_of(args, key))
     return written / (args.prepare_gbps * 1e9) + START_SECONDS
 
@@ -253,7 +264,7 @@ class Run:
         from bench.e2e.prepare import prepare_model, remove_model
 
         args = self.args
-        shape = (TINY_SHAPES if args.tiny else FULL_SHAPES)[key]
+        shape = shapes_of(args)[key]
         entry = {"key": key, "shape": shape.name, "levels": [], "not_run": [], "notes": []}
         self.report["shapes"].append(entry)
         model = prepare_model(shape, layers_of(args, key), args.workdir, with_bf16_checkpoint=False,

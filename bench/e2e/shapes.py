@@ -80,6 +80,15 @@ def tiny(shape: ModelShape) -> ModelShape:
 TINY_SHAPES = {key: tiny(shape) for key, shape in FULL_SHAPES.items()}
 
 
+def cpu_scale(shape: ModelShape) -> ModelShape:
+    """A shape's routing (experts, top-k, arch, expert type) at hidden and expert widths of 256: what
+    batching and the cache do with its routing, at a size a CPU runs in minutes."""
+    return dataclasses.replace(shape, name=f"{shape.name} (CPU scale)", hidden=256, moe_intermediate=256)
+
+
+CPU_SCALE_SHAPES = {key: cpu_scale(shape) for key, shape in FULL_SHAPES.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     layers: int

@@ -93,12 +93,26 @@ def test_a_missing_module_stops_the_run_before_anything_starts(workdir, monkeypa
     (["--time-budget", "0"], "--time-budget"),
     (["--device", "cpu", "--host-tier"], "--host-tier"),
     (["--torch-threads", "2"], "--torch-threads"),  # the default device is cuda
+    (["--tiny", "--cpu-scale"], "--cpu-scale"),
 ])
 def test_bad_arguments_are_refused_naming_what_is_wrong(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cpu_scale_keeps_the_routing_of_each_shape():
+    from bench.concurrency_run import layers_of, shapes_of
+    from bench.e2e.shapes import FULL_SHAPES
+
+    args = parse_args(["--cpu-scale", "--device", "cpu"])
+    for key, full in FULL_SHAPES.items():
+        scaled = shapes_of(args)[key]
+        assert (scaled.experts, scaled.top_k, scaled.arch, scaled.expert_type) == \
+            (full.experts, full.top_k, full.arch, full.expert_type)
+        assert scaled.hidden == scaled.moe_intermediate == 256
+        assert layers_of(args, key) == 4 + full.dense_layers
 
 
 def test_defaults_are_the_benchmarks_bar():
