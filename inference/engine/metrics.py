@@ -62,6 +62,8 @@ class EngineMetrics:
         self.expert_capacity_exhausted = counter("expert_capacity_exhausted", "Requests failed because the expert "
                                                  "cache had no room for one step's experts (others pinned it)")
         self.queue_full = counter("queue_full", "Requests refused with 429 because the queue was full")
+        self.static_left = counter("static_decoder_left", "Sequences that left the static (CUDA graph) decoder "
+                                   "to join a batch, their cache recomputed by a refeed of their tokens")
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting for the worker", m,
                                  registry=r).labels(model=model)
         self.running = Gauge(f"{PREFIX}requests_running", "Requests being generated", m,

@@ -152,6 +152,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         alone = self.sequences() == 0 and sum(len(r.waiting) for r in self.runs) == 1 and not self.engine.waiting
+        admitted = 0
         for run in self.runs:
             while run.waiting and self.sequences() < self.max_num_seqs:
                 index = run.waiting.popleft()
@@ -159,6 +160,14 @@ class Scheduler:
                 run.sequences[index] = self.runner.sequence(
                     choice.prompt_ids, choice.params, emit=run.job.sink, submitted_at=run.job.submitted_at,
                     index=index, static=alone, prefill_chunk=self.prefill_chunk)
+                admitted += 1
+        if admitted and not alone:
+            # A sequence admitted alone on the static decoder would step apart from the batch,
+            # with expert acquisitions of its own every step: it joins the batch instead.
+            for run in self.runs:
+                for sequence in run.sequences.values():
+                    if sequence.leave_static():
+                        self.metrics.static_left.inc()
 
     def step(self) -> None:
         """Stop what was cancelled or timed out, fill free places, run one forward of every running

@@ -41,6 +41,10 @@ class Sequence:
         self.started = time.monotonic()
         self.submitted_at = self.started if submitted_at is None else submitted_at
         self.static = static
+        self._chunk_setting = prefill_chunk
+        # the tokens the model is fed before decoding: the prompt (and, after leave_static, the
+        # tokens generated so far, to rebuild the cache outside the static decoder)
+        self._context = self.prompt_ids
         # a static decoder prefills in one call; elsewhere chunks of prefill_chunk tokens
         self.prefill_chunk = len(self.prompt_ids) if static is not None or not prefill_chunk else prefill_chunk
         self.stop_ids = runner.stop_ids(params)
@@ -66,11 +70,29 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self._fed < len(self.prompt_ids)
+        return self._fed < len(self._context)
 
     def next_input_len(self) -> int:
         """Tokens the next forward takes."""
-        return min(self.prefill_chunk, len(self.prompt_ids) - self._fed) if self.prefilling else 1
+        return min(self.prefill_chunk, len(self._context) - self._fed) if self.prefilling else 1
+
+    def leave_static(self) -> bool:
+        """Stop using the static decoder (others now run beside this sequence): the next forwards
+        feed the prompt and the tokens generated so far, in chunks, into a cache of its own, then
+        decoding goes on from the last token. True when it was on the static decoder.
+
+        Why recompute rather than keep it apart: a sequence stepping alone beside a batch makes
+        its own expert acquisitions every step; in the batch it shares theirs, and its refeed
+        shares the expert reads of the prefills it joins with."""
+        if self.static is None or self.done:
+            return False
+        self.static = None
+        self._context = self.prompt_ids + self.tokens
+        self._fed = 0
+        self._cache = None
+        self._logits = None
+        self.prefill_chunk = self._chunk_setting or len(self._context)
+        return True
 
     def forward(self) -> None:
         """The model on the next input; thread-safe against other sequences' forwards."""
@@ -80,7 +102,7 @@ class Sequence:
             self._fed = len(self.prompt_ids)
             return
         if self.prefilling:
-            chunk = self.prompt_ids[self._fed:self._fed + self.next_input_len()]
+            chunk = self._context[self._fed:self._fed + self.next_input_len()]
             self._fed += len(chunk)
         else:
             chunk = [self.tokens[-1]]

@@ -14,6 +14,7 @@ from test_engine_fixtures import FlakyDaemonSource, loaded, qwen_bundle, tiny_bu
 from inference.engine import Engine, ExpertSourceUnavailableError, Finished, SamplingParams, TextDelta
 from inference.engine.batch import BatchStepper
 from inference.engine.generate import ModelRunner
+from inference.engine.sequence import Sequence
 from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.model import load_model
@@ -243,3 +244,98 @@ def test_requests_that_arrive_during_a_step_join_the_next_step_together(qwen_bun
     assert started[0] == 1
     assert started[1:max_num_seqs] == [2] * (max_num_seqs - 1)
     assert started == sorted(started)
+
+
+class EagerStaticDecoder:
+    """Stands in for the CUDA-graph StaticDecoder on the CPU: the same start/step/fits interface,
+    computed by the model's eager forward into a cache of its own (the static decoder's tokens equal
+    the eager decode's, tests/inference/test_decode_graph.py, so only the hand-over is under test)."""
+
+    def __init__(self, runner):
+        self.runner, self.cache, self.calls = runner, None, 0
+
+    def fits(self, prompt_len: int, max_tokens: int) -> bool:
+        return True
+
+    def start(self, prompt_ids):
+        self.calls += 1
+        logits, self.cache = self.runner.forward(torch.tensor([prompt_ids]), None)
+        return logits
+
+    def step(self, token: int):
+        self.calls += 1
+        logits, self.cache = self.runner.forward(torch.tensor([[token]]), self.cache)
+        return logits
+
+
+def test_a_sequence_leaving_the_static_decoder_refeeds_its_tokens_and_decodes_on(loaded):
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None)
+    prompt = prompts(runner.vocab_size)[4]  # 21 tokens
+    plain = runner.sequence(prompt, greedy(10), emit=lambda e: None, static=False, prefill_chunk=CHUNK)
+    moving = Sequence(runner, prompt, greedy(10), emit=lambda e: None, static=EagerStaticDecoder(runner),
+                      prefill_chunk=CHUNK)
+    assert not plain.leave_static()  # not on a static decoder: nothing to leave
+    with torch.inference_mode():
+        while not plain.done:
+            plain.forward()
+            plain.advance()
+        for _ in range(3):  # the prompt in one call, then two decode steps on the static decoder
+            moving.forward()
+            moving.advance()
+        assert len(moving.tokens) == 3 and moving.next_input_len() == 1
+        assert moving.leave_static()
+        assert not moving.leave_static()
+        refeeds = []
+        while moving.prefilling:  # prompt + 3 tokens, in chunks, emitting nothing
+            refeeds.append(moving.next_input_len())
+            moving.forward()
+            moving.advance()
+        # 24 tokens in chunks of 4; the last chunk's logits gave the 4th token
+        assert refeeds == [CHUNK] * 6 and len(moving.tokens) == 4
+        while not moving.done:
+            moving.forward()
+            moving.advance()
+    assert moving.tokens == plain.tokens
+    assert moving.finish().usage.prompt_tokens == len(prompt)
+
+
+def test_a_request_on_the_static_decoder_joins_the_batch_when_others_arrive(qwen_bundle):  # noqa: F811
+    """The first request is admitted alone (static decoder); the others, submitted during its first
+    step, start in the next, and it leaves the static decoder to step with them: every step after
+    that is one lockstep batch, and every request's greedy tokens equal its tokens alone."""
+    with load_model(qwen_bundle, device="cpu", dtype=torch.float32, expert_source=GatedSource) as model:
+        engine = Engine.from_loaded(model, max_num_seqs=8, prefill_chunk=CHUNK)
+        try:
+            runner, source = engine.runner, model.expert_source
+            requests = prompts(runner.vocab_size)
+            alone = [runner.run(p, greedy(m), emit=lambda e: None) for p, m in zip(requests, MAX_TOKENS)]
+            runner.decoder = EagerStaticDecoder(runner)
+            stepper = engine._scheduler.stepper
+            static_in_step, step = [], stepper.step
+            stepper.step = lambda sequences: static_in_step.append(
+                sum(s.static is not None for s in sequences)) or step(sequences)
+            metric = ("expertpack_inference_static_decoder_left_total", {"model": engine.metrics.model})
+            left = engine.metrics.registry.get_sample_value(*metric) or 0.0
+            results: dict[int, Finished] = {}
+            finished = [threading.Event() for _ in requests]
+
+            def sink(index):
+                def on_event(event):
+                    if isinstance(event, Finished):
+                        results[index] = event
+                        finished[index].set()
+                return on_event
+
+            source.armed = True
+            engine.submit(requests[0], greedy(MAX_TOKENS[0]), sink(0))
+            assert source.inside.wait(30)
+            for i, p in enumerate(requests[1:], start=1):
+                engine.submit(p, greedy(MAX_TOKENS[i]), sink(i))
+            source.gate.set()
+            assert all(done.wait(60) for done in finished)
+            assert engine.metrics.registry.get_sample_value(*metric) - left == 1
+        finally:
+            engine.close()
+    assert static_in_step[0] == 1 and not any(static_in_step[1:])  # static in its first step only
+    assert runner.decoder.calls == 1  # the prompt; every later forward ran in the batch
+    assert [results[i].token_ids for i in range(8)] == [f.token_ids for f in alone]
