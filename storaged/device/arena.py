@@ -40,9 +40,23 @@ def host_bytes(source: HostSource, nbytes: int, what: str) -> torch.Tensor:
         tensor = torch.frombuffer(source, dtype=torch.uint8)
     else:
         raise TypeError(f"{what}: expected AlignedBuffer, uint8 tensor or memoryview, got {type(source).__name__}")
-    if tensor.numel() < nbytes:
-        raise CopySizeError(f"{what}: host buffer holds {tensor.numel()} bytes, the copy needs {nbytes}")
+    _check_host_size(what, tensor.numel(), nbytes)
     return tensor[:nbytes]
+
+
+def host_address(source: HostSource, nbytes: int, what: str) -> tuple[int, object]:
+    """(address of the host buffer's first byte, the object that keeps its memory alive), for
+    copies issued by address; an AlignedBuffer (staging, host tier) needs no tensor view."""
+    if isinstance(source, AlignedBuffer):
+        _check_host_size(what, source.nbytes, nbytes)
+        return source.address, source
+    host = host_bytes(source, nbytes, what)
+    return host.data_ptr(), host
+
+
+def _check_host_size(what: str, have: int, nbytes: int) -> None:
+    if have < nbytes:
+        raise CopySizeError(f"{what}: host buffer holds {have} bytes, the copy needs {nbytes}")
 
 
 class CopyHandle:
@@ -149,10 +163,14 @@ class Arena(abc.ABC):
     def slot_tensor(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         """uint8 [nbytes] view of slot's first nbytes (whole slot by default), in this process."""
         nbytes = self.slot_bytes if nbytes is None else nbytes
+        start = self._slot_offset(slot, nbytes)
+        return self._live()[start:start + nbytes]
+
+    def _slot_offset(self, slot: int, nbytes: int) -> int:
+        """Byte offset of `slot` in the arena; SlotRangeError unless slot and nbytes fit."""
         if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
             raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count, nbytes, self.slot_bytes)
-        start = slot * self.slot_bytes  # byte offset of the slot in the arena
-        return self._live()[start:start + nbytes]
+        return slot * self.slot_bytes
 
     @property
     def client_fd(self) -> int | None:

@@ -2,8 +2,8 @@
 
 Copies in run on a dedicated copy stream, each followed by an interprocess event from a fixed
 pool, so a client stream can wait for exactly the copies it needs (CopyHandle.event_index)
-while the server's own threads keep going. Copies out run on a second stream. Importable without CUDA; constructing one without
-CUDA raises CudaUnavailableError.
+while the server's own threads keep going. Copies out run on a second stream. Importable
+without CUDA; constructing one without CUDA raises CudaUnavailableError.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import threading
 
 import torch
 
-from storaged.device.arena import ABSENT, Arena, CopyHandle, HostSource, host_bytes
+from storaged.device.arena import ABSENT, Arena, CopyHandle, HostSource, host_address
 from storaged.device.cuda_driver import DriverApi
 from storaged.device.descriptor import KIND_CUDA_IPC, ArenaDescriptor
-from storaged.device.errors import ArenaClosedError, CopySizeError, CudaUnavailableError, SlotRangeError
-from storaged.io.host_memory import AlignedBuffer
+from storaged.device.errors import ArenaClosedError, CudaUnavailableError, SlotRangeError
 
 
 class CudaArena(Arena):
@@ -136,26 +135,16 @@ class CudaArena(Arena):
             raise ArenaClosedError(f"CUDA arena on {self.device} is closed")
         return self._tensor
 
-    def _source_address(self, source: HostSource, nbytes: int, what: str) -> tuple[int, object]:
-        """(host address of the first byte, the object that keeps the memory alive)."""
-        if isinstance(source, AlignedBuffer):  # staging and host-tier slots: no tensor view made
-            if source.nbytes < nbytes:
-                raise CopySizeError(f"{what}: host buffer holds {source.nbytes} bytes, the copy needs {nbytes}")
-            return source.address, source
-        host = host_bytes(source, nbytes, what)
-        return host.data_ptr(), host
-
     def _slot_address(self, slot: int, nbytes: int) -> int:
-        if not 0 <= slot < self.slot_count or not 0 <= nbytes <= self.slot_bytes:
-            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count, nbytes, self.slot_bytes)
+        offset = self._slot_offset(slot, nbytes)
         self._live_tensor()
-        return self._base + slot * self.slot_bytes  # device address of the slot's byte 0
+        return self._base + offset  # device address of the slot's byte 0
 
     def copy_in(self, slot: int, source: HostSource, nbytes: int) -> CopyHandle:
         """Asynchronous H2D copy (truly async only from pinned memory) on the copy stream, after
         any copy out of the same slot, followed by an interprocess event clients may wait on."""
         address = self._slot_address(slot, nbytes)
-        host, keepalive = self._source_address(source, nbytes, f"copy into slot {slot}")
+        host, keepalive = host_address(source, nbytes, f"copy into slot {slot}")
         stream = self._copy_stream_handle
         with self._lock:
             pending_out = self._slot_out.pop(slot, None)
@@ -174,7 +163,7 @@ class CudaArena(Arena):
         (so it overlaps copies in, which use the other direction of the link), after any copy
         into the same slot."""
         address = self._slot_address(slot, nbytes)
-        host, keepalive = self._source_address(destination, nbytes, f"copy out of slot {slot}")
+        host, keepalive = host_address(destination, nbytes, f"copy out of slot {slot}")
         stream = self._out_stream_handle
         with self._lock:
             pending_in = self._slot_in.pop(slot, None)

@@ -249,3 +249,23 @@ def test_cuda_paths_fail_closed_without_cuda():
                                  ipc_handle=b"h" * 64, ref_counter_handle=b"/torch_1", storage_size_bytes=SLOT)
     with pytest.raises(CudaUnavailableError):
         map_arena(descriptor)
+
+
+def test_host_address_names_the_first_byte_and_refuses_a_short_buffer():
+    import pytest
+    import torch
+
+    from storaged.device.arena import host_address
+    from storaged.device.errors import CopySizeError
+    from storaged.io import HostMemory
+
+    with HostMemory(2, 8192) as memory:
+        buffer = memory.buffers[1]
+        assert host_address(buffer, 8192, "copy") == (buffer.address, buffer)  # no view made
+        with pytest.raises(CopySizeError, match="copy: host buffer holds 8192 bytes, the copy needs 8193"):
+            host_address(buffer, 8193, "copy")
+    tensor = torch.zeros(4096, dtype=torch.uint8)
+    address, keepalive = host_address(tensor, 100, "copy")
+    assert address == tensor.data_ptr() and keepalive.numel() == 100
+    with pytest.raises(CopySizeError, match="holds 4096 bytes"):
+        host_address(tensor, 4097, "copy")
