@@ -5,10 +5,13 @@ Tiers: VRAM (one device allocation cut into equal slots), an optional pinned hos
 the pack on NVMe. `SlotMapLayout` places each object's entry in the arena's slot map.
 
 - `SlotCache`: one tier. Entries are LOADING (slot reserved, bytes not valid, invisible to
-  lookups) or READY. Replacement evicts the unpinned READY entry with the lowest decayed access
-  frequency (halving every `half_life` accesses, applied lazily through a logical clock, so an
-  access is O(1)); the older last access breaks ties. Victims come off a lazily invalidated
-  min-heap: O(log n), not a scan of every slot. Pinned and LOADING entries are never evicted.
+  lookups) or READY. Replacement gives each (model, layer) a fair share of the slots (a layer
+  at its share replaces within itself, else the layer holding the most gives way: layer_share.py,
+  so a step larger than the tier does not evict the layer needed next), and within a layer evicts
+  the unpinned READY entry with the lowest decayed access frequency (halving every `half_life`
+  accesses, applied lazily through a logical clock, so an access is O(1)); the older last access
+  breaks ties. Victims come off lazily invalidated min-heaps: O(log n), not a scan of every slot.
+  Pinned and LOADING entries are never evicted.
 - `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer, and on
   request drop its pins on the model's other layers; hits, single-flight waits, loads from host
   or pack; all-or-nothing on SlotsExhausted), Prefetch

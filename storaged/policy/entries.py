@@ -24,6 +24,7 @@ class CacheEntry:
     log_score: float = NEVER_ACCESSED
     last_tick: int = 0
     heap_token: int | None = None  # set while READY and unpinned (evictable)
+    heap: object = None  # the EvictionHeap holding heap_token's item (layer_share.py), else None
     prefetched: bool = False  # reserved by a prefetch hint
     demanded: bool = False  # reserved by, or since used by, a demand request
 

@@ -14,10 +14,14 @@ amortized heap operations (each O(log n)) rather than a scan of every slot.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 COMPACT_SLACK = 32  # stale items tolerated beyond 2x live before a rebuild
+# Tokens are unique across every heap, not per heap: an entry moved to another heap (layer_share.py)
+# leaves a stale item behind, which must never match the token of its new live item.
+_TOKENS = itertools.count()
 
 
 class HeapEntry(Protocol):
@@ -43,7 +47,6 @@ class EvictionHeap:
         # compared and ties on score fall back to recency (older access evicted first).
         self._items: list[tuple[float, int, int, HeapEntry]] = []
         self._live = 0
-        self._next_token = 0
         self.work = HeapWork()
 
     def __len__(self) -> int:
@@ -58,8 +61,7 @@ class EvictionHeap:
     def push(self, entry: HeapEntry) -> None:
         """Make `entry` evictable with its current score."""
         assert entry.heap_token is None, "entry already has a live heap item"
-        token = self._next_token
-        self._next_token += 1
+        token = next(_TOKENS)
         entry.heap_token = token
         self._live += 1
         self.work.pushes += 1

@@ -3,9 +3,11 @@
 Entry life: reserve → LOADING (slot owned, bytes not valid yet, invisible to lookups)
 → complete → READY, or → abort (slot freed: I/O or checksum failure). READY entries leave only
 by eviction when a reservation needs their slot. Pinned entries (pin count > 0) and LOADING
-entries are never evicted. The victim is the unpinned READY entry with the lowest decayed
-access frequency (see decay.py), the older last access breaking ties, found through a lazy
-min-heap in O(log n) amortized (see eviction_heap.py).
+entries are never evicted. The victim is an unpinned READY entry: first any entry made coldest
+(a duplicate of another tier's copy), then, by each layer's share of the slots (layer_share.py),
+the newcomer's own layer or the layer holding the most slots; within a layer the entry with the
+lowest decayed access frequency (decay.py), the older last access breaking ties, found through
+lazy min-heaps in O(log n) amortized (eviction_heap.py).
 
 Not thread-safe, by design: storaged calls it from its single asyncio loop thread only.
 """
@@ -18,8 +20,9 @@ from storaged.policy.decay import NEVER_ACCESSED, DecayClock
 from storaged.policy.entries import (CacheEntry, EntryState, EntryView, Reservation,
                                      ResidentStats, TierCounters)
 from storaged.policy.errors import SlotsExhausted, PolicyStateError
-from storaged.policy.eviction_heap import EvictionHeap, HeapWork
+from storaged.policy.eviction_heap import HeapWork
 from storaged.policy.keys import ExpertKey
+from storaged.policy.layer_share import LayerShareEviction
 
 __all__ = ["CacheEntry", "EntryState", "EntryView", "Reservation", "ResidentStats", "SlotCache",
            "TierCounters"]
@@ -42,7 +45,7 @@ class SlotCache:
         self._entries: dict[ExpertKey, CacheEntry] = {}
         self._slot_keys: list[ExpertKey | None] = [None] * slot_count
         self._free_slots = list(range(slot_count - 1, -1, -1))  # stack: slot 0 handed out first
-        self._evictable = EvictionHeap()
+        self._evictable = LayerShareEviction(slot_count)
         self._pins = 0  # sum of pin counts
         self._pinned_entries = 0  # entries with pin_count > 0
         self._loading = 0  # entries in LOADING state
@@ -174,13 +177,12 @@ class SlotCache:
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
-            victim = self._evictable.peek_min()
+            victim = self._evictable.peek_victim(key.model, key.layer)
             if victim is None:
                 return None
             if evict_below is not None and victim.log_score >= self._clock.log_level(evict_below):
                 return None
-            popped = self._evictable.pop_min()
-            assert popped is victim
+            self._evictable.take(victim)
             slot = victim.slot
             evicted = victim.key
             self._remove(victim)
@@ -189,6 +191,7 @@ class SlotCache:
                            prefetched=prefetch, demanded=not prefetch)
         self._entries[key] = entry
         self._slot_keys[slot] = key
+        self._evictable.occupy(entry)
         self._loading += 1
         self._record_access(entry)
         if prefetch:
@@ -301,7 +304,7 @@ class SlotCache:
 
     def _remove(self, entry: CacheEntry) -> None:
         """Forget `entry` (eviction or abort); the caller decides what happens to its slot."""
-        self._evictable.discard(entry)
+        self._evictable.vacate(entry)
         del self._entries[entry.key]
         self._slot_keys[entry.slot] = None
         self._pins -= entry.pin_count

@@ -126,8 +126,8 @@ def test_host_tier_promotions_are_issued_within_the_acquire(runtime_of, bundle, 
 
     async def scenario():
         await runtime.engine.acquire(session, 1, (0, 1), release_other_layers=True)  # read from the pack
-        await runtime.engine.acquire(session, 2, (0, 1), release_other_layers=True)
-        await runtime.engine.acquire(session, 4, (0, 1), release_other_layers=True)  # layer 1's demoted
+        # Needs all four slots, whatever the replacement rule: layer 1's two are demoted.
+        await runtime.engine.acquire(session, 2, (0, 1, 2, 3), release_other_layers=True)
         await runtime.engine.drain(10)
         if mid_step:
             reader._words[0], reader._words[1] = 5, 4  # STARTED 5, FINISHED 4: in step 5
