@@ -125,7 +125,7 @@ def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtyp
 
 def start_storaged(model: PreparedModel, fraction: float, device: torch.device, workdir: Path, *,
                    io_parallelism: int, host_tier: bool,
-                   layer_floor: bool = True) -> tuple[StoragedProcess, int, list[str]]:
+                   layer_floor: bool = False) -> tuple[StoragedProcess, int, list[str]]:
     """storaged serving `model` as STORAGED_MODEL with an arena of `fraction` of its experts' slots;
     returns (the StoragedProcess, its host tier's bytes, notes). With `layer_floor` the arena is
     raised to one layer's experts where the budget is below that (a prefill then pins a layer's
@@ -153,12 +153,12 @@ def start_storaged(model: PreparedModel, fraction: float, device: torch.device, 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
               *, io_parallelism: int, host_tier: bool, fast_path: bool, lookahead: bool,
-              static_len: int) -> BuiltContender:
+              static_len: int, layer_floor: bool) -> BuiltContender:
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
 
     daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=io_parallelism,
-                                               host_tier=host_tier)
+                                               host_tier=host_tier, layer_floor=layer_floor)
     lookahead = model.shape.top_k if lookahead else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
@@ -191,12 +191,13 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
 
 
 def build_contender(name: str, model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
-                    workdir: Path, *, static_len: int = 4096) -> BuiltContender:
-    """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped."""
+                    workdir: Path, *, static_len: int = 4096, layer_floor: bool = False) -> BuiltContender:
+    """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped.
+    `layer_floor`: storaged's arena is raised to one layer's experts (start_storaged)."""
     if name in IO_PARALLELISM:
         return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
                          host_tier=HOST_TIER[name], fast_path=FAST_PATH[name], lookahead=LOOKAHEAD[name],
-                         static_len=static_len)
+                         static_len=static_len, layer_floor=layer_floor)
     if name == "llamacpp":
         raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}

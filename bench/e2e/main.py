@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--machine-json", type=Path, default=None,
                         help="bench/storaged_bench.py's JSON: machine limits and storaged-alone figures")
     parser.add_argument("--keep", action="store_true", help="keep the prepared models")
+    parser.add_argument("--layer-floor", action="store_true",
+                        help="raise storaged's arena to one layer's experts where the budget is below that (default: "
+                             "the budget as given; a layer touching more experts than the arena is computed in groups)")
     parser.add_argument("--llamacpp-bin", type=Path, default=None,
                         help=f"llama-bench for the llamacpp contender (default ${BIN_ENV}, else "
                              ".llamacpp/bin/llama-bench, where bench/llamacpp/build.sh puts it)")
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace, results: dict) -> None:
                 runs = run_contender_budgets(contender, model, budgets, tokens=args.tokens,
                                              prompt_len=args.prompt_len, seconds=seconds, device=args.device,
                                              dtype=dtype, workdir=args.workdir / "runs", ram_overhead_bytes=overhead,
-                                             torch_threads=args.torch_threads,
+                                             torch_threads=args.torch_threads, layer_floor=args.layer_floor,
                                              sample_seed=SAMPLE_SEED if args.decode == "sample" else None)
                 results["e2e"]["runs"] += runs
                 results["errors"] += [f"{r['shape']} {r['contender']} {r['budget_fraction']:.0%}: {r['error']}"

@@ -43,7 +43,7 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
     result["page_cache_dropped"] = drop_page_cache()
     try:
         built = build_contender(name, model, fraction, device, dtype, Path(spec["workdir"]),
-                                static_len=spec["prompt_len"] + spec["tokens"] + 8)
+                                static_len=spec["prompt_len"] + spec["tokens"] + 8, layer_floor=spec["layer_floor"])
     except ContenderSkipped as exc:
         return result | {"skipped": str(exc)}
     try:
@@ -133,7 +133,8 @@ def child_main(spec_path: Path) -> int:
 
 def run_contender_budgets(name: str, model: PreparedModel, budgets: list[float], *, tokens: int, prompt_len: int,
                           seconds: float, device: str, dtype: str, workdir: Path, ram_overhead_bytes: int,
-                          torch_threads: int | None = None, sample_seed: int | None = None) -> list[dict]:
+                          torch_threads: int | None = None, sample_seed: int | None = None,
+                          layer_floor: bool = False) -> list[dict]:
     """`name` at every budget (fractions of the experts) in one child process; `seconds` is shared by
     the budgets (decoding stops early to stay inside it). Missing budgets come back as errors."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +148,7 @@ def run_contender_budgets(name: str, model: PreparedModel, budgets: list[float],
     spec = {"contender": name, "model": model.as_dict(), "budgets": budgets, "tokens": tokens,
             "prompt_len": prompt_len, "seconds": seconds, "device": device, "dtype": dtype, "workdir": str(workdir),
             "ram_overhead_bytes": ram_overhead_bytes, "result_path": str(result_path), "torch_threads": torch_threads,
-            "cgroup": str(cgroup.path) if cgroup else None, "sample_seed": sample_seed}
+            "cgroup": str(cgroup.path) if cgroup else None, "sample_seed": sample_seed, "layer_floor": layer_floor}
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # the child enters the cgroup before it imports anything, so all of its memory is counted

@@ -63,6 +63,11 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
             got = by_key[(shape.name, contender, 1.0)]["token_ids"]
             common = min(len(got), len(reference))  # a run may stop a token early at its deadline
             assert got[:common] == reference[:common], contender
+        for contender in ("storaged", "storaged_serial"):  # 25%: 4 slots, a layer's 8 experts in groups
+            run = by_key[(shape.name, contender, 0.25)]
+            assert not any("arena raised" in note for note in run["notes"]), run["notes"]
+            common = min(len(run["token_ids"]), len(reference))
+            assert run["token_ids"][:common] == reference[:common], contender
     assert [r for r in runs if r["contender"] == "resident" and r["budget_fraction"] == 1.0][0].get("tokens")
     markdown = (out / "results.md").read_text()
     matrix, ratios = markdown.split("## Decode speed ratios")
