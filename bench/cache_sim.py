@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 from bench.common import BenchError  # noqa: E402
-from storaged.policy import AcquirePlanner, ExpertKey, ModelLayout, SlotCache, Source  # noqa: E402
+from storaged.policy import AcquirePlanner, ModelLayout, SlotCache, Source  # noqa: E402
 from storaged.policy.entries import CacheEntry  # noqa: E402
 from storaged.policy.layer_share import LayerShareEviction  # noqa: E402
 
