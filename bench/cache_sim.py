@@ -42,7 +42,7 @@ RULES = ("layer share", "lowest score")
 class LowestScoreEviction(LayerShareEviction):
     """The replacement rule before layer shares: the globally lowest (score, last access)."""
 
-    def peek_victim(self, model: int, layer: int) -> CacheEntry | None:
+    def peek_victim(self, model: int, layer: int, now: int) -> CacheEntry | None:
         tops = [heap.peek_min() for heap in (self._coldest, *self._heaps.values())]
         tops = [top for top in tops if top is not None]
         return min(tops, key=lambda e: (e.log_score, e.last_tick)) if tops else None
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _tier(rule: str, slots: int, tier: str) -> SlotCache:
     cache = SlotCache(slots, tier=tier)
     if rule == "lowest score":
-        cache._evictable = LowestScoreEviction(slots)  # the baseline rule, swapped in on an empty tier
+        cache._evictable = LowestScoreEviction(slots, idle_after=1)  # the baseline rule, swapped in on an empty tier
     return cache
 
 

@@ -24,6 +24,11 @@ from storaged.policy.eviction_heap import HeapWork
 from storaged.policy.keys import ExpertKey
 from storaged.policy.layer_share import LayerShareEviction
 
+# In a forward pass every layer is read each step, a step being at most a few half-lives of
+# accesses (a half-life is one tier's worth: 8 streams at a 25% arena make ~1.6 a step); a layer
+# unread for longer belongs to a model or phase no longer running.
+IDLE_AFTER_HALF_LIVES = 8
+
 __all__ = ["CacheEntry", "EntryState", "EntryView", "Reservation", "ResidentStats", "SlotCache",
            "TierCounters"]
 
@@ -45,7 +50,8 @@ class SlotCache:
         self._entries: dict[ExpertKey, CacheEntry] = {}
         self._slot_keys: list[ExpertKey | None] = [None] * slot_count
         self._free_slots = list(range(slot_count - 1, -1, -1))  # stack: slot 0 handed out first
-        self._evictable = LayerShareEviction(slot_count)
+        # A layer unused for a few half-lives is idle: it loses its share (layer_share.py).
+        self._evictable = LayerShareEviction(slot_count, idle_after=IDLE_AFTER_HALF_LIVES * self._clock.half_life)
         self._pins = 0  # sum of pin counts
         self._pinned_entries = 0  # entries with pin_count > 0
         self._loading = 0  # entries in LOADING state
@@ -177,7 +183,7 @@ class SlotCache:
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
-            victim = self._evictable.peek_victim(key.model, key.layer)
+            victim = self._evictable.peek_victim(key.model, key.layer, self._clock.now)
             if victim is None:
                 return None
             if evict_below is not None and victim.log_score >= self._clock.log_level(evict_below):
@@ -280,6 +286,7 @@ class SlotCache:
 
     def _record_access(self, entry: CacheEntry) -> None:
         entry.log_score, entry.last_tick = self._clock.record_access(entry.log_score)
+        self._evictable.touch(entry, entry.last_tick)
         if entry.heap_token is not None:  # evictable: its heap position depends on the score
             self._evictable.discard(entry)
             self._evictable.push(entry)

@@ -138,3 +138,17 @@ def test_entries_moving_between_the_coldest_and_a_layers_heap_stay_counted_once(
     assert cache.evictable_count == 4
     evicted = {cache.reserve(key(2, expert)).evicted for expert in range(4)}
     assert evicted == set(keys) and cache.evictable_count == 0
+
+
+def test_an_idle_models_layers_lose_their_share():
+    """A model no client uses any more must not keep a share of the tier: within a few half-lives of
+    accesses its layers count as idle, the active layers' shares grow and they take its slots."""
+    cache = SlotCache(16)  # half-life 16 accesses: idle after 8 x 16
+    for layer in (0, 1):  # model 1 fills half the tier, then is never read again
+        for expert in range(4):
+            cache.reserve(key(layer, expert, model=1))
+            cache.complete(key(layer, expert, model=1))
+    hits = cyclic_hits(cache, layers=2, demand=6, steps=20)  # model 0: 12 a step, fits beside 4 others
+    assert hits[1] == 6  # while model 1 counts, each of model 0's layers keeps to a share of 16 / 4
+    assert hits[-5:] == [12] * 5  # then model 0 holds its whole step
+    assert sum(k.model == 1 for k, _ in cache.views()) == 4
