@@ -25,6 +25,7 @@ class CacheEntry:
     last_tick: int = 0
     heap_token: int | None = None  # set while READY and unpinned (evictable)
     heap: object = None  # the EvictionHeap holding heap_token's item (layer_share.py), else None
+    layer_id: tuple[int, int] = (0, 0)  # (key.model, key.layer), set once: layer_share.py's key per access
     prefetched: bool = False  # reserved by a prefetch hint
     demanded: bool = False  # reserved by, or since used by, a demand request
 

@@ -50,8 +50,8 @@ class LayerShareEviction:
         self._coldest = EvictionHeap()  # entries whose score was reset to NEVER_ACCESSED
         self._held: dict[LayerId, int] = {}  # slots per layer, 0-count layers removed
         self._last_use: dict[LayerId, int] = {}  # the tier's access tick of each layer's latest access
-        # active layers holding entries: recounted when a layer comes or goes, or turns active again,
-        # and every idle_after // 16 accesses (for layers turning idle)
+        # active layers holding entries: recounted when a layer comes or goes, and every
+        # idle_after // 16 accesses (for layers turning idle or active again)
         self._active_layers = 0
         self._active_counted_at: int | None = None
         self._live = 0
@@ -60,7 +60,7 @@ class LayerShareEviction:
 
     def occupy(self, entry: CacheEntry) -> None:
         """`entry` took a slot (any state)."""
-        layer = (entry.key.model, entry.key.layer)
+        layer = entry.layer_id
         held = self._held.get(layer, 0)
         self._held[layer] = held + 1
         if not held:
@@ -69,7 +69,7 @@ class LayerShareEviction:
     def vacate(self, entry: CacheEntry) -> None:
         """`entry` gave its slot back (evicted or aborted); it is no longer evictable."""
         self.discard(entry)
-        layer = (entry.key.model, entry.key.layer)
+        layer = entry.layer_id
         held = self._held[layer] - 1
         if held:
             self._held[layer] = held
@@ -82,11 +82,9 @@ class LayerShareEviction:
 
     def touch(self, entry: CacheEntry, tick: int) -> None:
         """`entry` was accessed at the tier's access tick `tick`."""
-        layer = (entry.key.model, entry.key.layer)
-        last = self._last_use.get(layer)
-        self._last_use[layer] = tick
-        if last is None or tick - last > self.idle_after:
-            self._active_counted_at = None  # an idle layer active again: recount
+        # once per access, so nothing more: a layer turning active again is counted at the next
+        # periodic recount (within idle_after // 16 accesses)
+        self._last_use[entry.layer_id] = tick
 
     def _active_count(self, now: int) -> int:
         counted_at = self._active_counted_at
@@ -106,7 +104,7 @@ class LayerShareEviction:
         if entry.log_score == NEVER_ACCESSED:
             heap = self._coldest
         else:
-            layer = (entry.key.model, entry.key.layer)
+            layer = entry.layer_id
             heap = self._heaps.get(layer)
             if heap is None:
                 heap = self._heaps[layer] = EvictionHeap()
