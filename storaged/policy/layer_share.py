@@ -77,9 +77,6 @@ class LayerShareEviction:
             del self._held[layer]
             self._active_counted_at = None
 
-    def held(self, model: int, layer: int) -> int:
-        return self._held.get((model, layer), 0)
-
     def touch(self, entry: CacheEntry, tick: int) -> None:
         """`entry` was accessed at the tier's access tick `tick`."""
         # once per access, so nothing more: a layer turning active again is counted at the next
