@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from storaged.policy.decay import NEVER_ACCESSED
@@ -25,9 +25,12 @@ class CacheEntry:
     last_tick: int = 0
     heap_token: int | None = None  # set while READY and unpinned (evictable)
     heap: object = None  # the EvictionHeap holding heap_token's item (layer_share.py), else None
-    layer_id: tuple[int, int] = (0, 0)  # (key.model, key.layer), set once: layer_share.py's key per access
+    layer_id: tuple[int, int] = field(init=False)  # (key.model, key.layer): layer_share.py's key, made once
     prefetched: bool = False  # reserved by a prefetch hint
     demanded: bool = False  # reserved by, or since used by, a demand request
+
+    def __post_init__(self) -> None:
+        self.layer_id = (self.key.model, self.key.layer)
 
 
 class Reservation(NamedTuple):

@@ -194,7 +194,7 @@ class SlotCache:
             self._remove(victim)
             self.counters.evictions += 1
         entry = CacheEntry(key, slot, EntryState.LOADING,
-                           prefetched=prefetch, demanded=not prefetch, layer_id=(key.model, key.layer))
+                           prefetched=prefetch, demanded=not prefetch)
         self._entries[key] = entry
         self._slot_keys[slot] = key
         self._evictable.occupy(entry)
