@@ -29,10 +29,11 @@ from storaged._proto.expertpack.storage.v1 import storage_pb2 as pb
 from storaged._proto.expertpack.storage.v1 import storage_pb2_grpc as pb_grpc
 from storaged.client import replies
 from storaged.client.errors import ClientClosed, StorageError, Unavailable, from_rpc_error
-from storaged.client.dataplane import DataPlaneClient, StepFence, receive_arena_fd
+from storaged.client.dataplane import DataPlaneClient, StepFence, receive_arena_fd, receive_host_tier_fd
 from storaged.client.layout import (LayerLayout, ObjectLayout, SlotMapView, arena_from_proto, layers_from_proto,
                                     slot_map_from_proto)
 from storaged.device.client_arena import ClientArena, map_arena
+from storaged.device.client_host_tier import ClientHostTier
 from storaged.device.descriptor import KIND_MEMFD
 from storaged.wire import dataplane as wire
 from storaged.wire.session import SESSION_METADATA_KEY
@@ -90,6 +91,8 @@ class Session:
         self.slot_map_view: SlotMapView | None = slot_map_from_proto(reply)
         self._plane: DataPlaneClient | None = None
         self._stream: _AcquireStream | None = None
+        self._host_tier: ClientHostTier | None = None
+        self._data_plane_path = reply.data_plane.socket_path if reply.HasField("data_plane") else None
         try:
             offered = reply.HasField("data_plane") and reply.data_plane.version == wire.VERSION
             self.arena: ClientArena = self._map(arena_from_proto(reply.arena, reply.slot_bytes, reply.slot_count),
@@ -134,6 +137,31 @@ class Session:
         first = view.offset_bytes // 4
         entries = len(view.layers) * view.experts_per_row
         return self.arena.slot_map()[first:first + entries].view(len(view.layers), view.experts_per_row)
+
+    def host_map(self):
+        """int32 [rows, experts] view of this model's host map (object -> host tier slot, -1: not
+        there; rows as slot_map's), or None when the daemon shares no host tier. Read it, and the
+        host slots it names, only inside a `fence.step()`."""
+        view = self.slot_map_view
+        host_map = self.arena.host_map() if view is not None else None
+        if host_map is None:
+            return None
+        first = view.offset_bytes // 4
+        entries = len(view.layers) * view.experts_per_row
+        return host_map[first:first + entries].view(len(view.layers), view.experts_per_row)
+
+    def host_tier(self) -> ClientHostTier | None:
+        """The daemon's host tier, mapped read-only on first call (a HOST_TIER exchange on the data
+        plane), or None when it shares none or offers no data plane."""
+        with self._lock:
+            self._check_open()
+            if self._host_tier is None and self.arena.descriptor.host_slots and self._plane is not None:
+                fd = receive_host_tier_fd(self._data_plane_path, self.id, timeout=self._client.timeout)
+                try:
+                    self._host_tier = ClientHostTier(fd, self.slot_size, self.arena.descriptor.host_slots)
+                finally:
+                    os.close(fd)  # the mapping keeps the memory
+            return self._host_tier
 
     def connection_lost(self) -> str | None:
         """Why this session's channel (its data plane connection, else its Acquire stream) is gone,
@@ -245,6 +273,8 @@ class Session:
         except (StorageError, ClientClosed):
             pass  # the daemon is gone or already forgot the session: nothing left to free
         self.arena.close()
+        if self._host_tier is not None:
+            self._host_tier.close()
 
     def __enter__(self) -> Session:
         return self

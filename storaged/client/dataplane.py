@@ -220,13 +220,23 @@ def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> in
     """The daemon's arena memfd for an attached session (an ARENA exchange on a connection of its
     own, which the daemon then closes); the caller owns the descriptor. It can be mapped
     read-only only: the daemon sealed the file against writes."""
+    return _receive_fd(path, session_id, Kind.ARENA, Kind.ARENA_OK, "ARENA", timeout)
+
+
+def receive_host_tier_fd(path: str, session_id: str, *, timeout: float = 60.0) -> int:
+    """The daemon's host tier memfd (a HOST_TIER exchange, like ARENA); read-only, like the arena's.
+    FAILED_PRECONDITION where the daemon shares no host tier."""
+    return _receive_fd(path, session_id, Kind.HOST_TIER, Kind.HOST_TIER_OK, "HOST_TIER", timeout)
+
+
+def _receive_fd(path: str, session_id: str, kind: int, ok_kind: int, rpc: str, timeout: float) -> int:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         received: list[int] = []
         data = b""
         try:
             sock.connect(path)
-            sock.sendall(wire.frame(Kind.ARENA, 0, wire.U32.pack(wire.VERSION) + session_id.encode()))
+            sock.sendall(wire.frame(kind, 0, wire.U32.pack(wire.VERSION) + session_id.encode()))
             while len(data) < wire.HEADER.size or len(data) < wire.HEADER.size + wire.HEADER.unpack_from(data)[0]:
                 chunk, fds, _, _ = socket.recv_fds(sock, 65536, 1)
                 received += fds
@@ -236,17 +246,17 @@ def receive_arena_fd(path: str, session_id: str, *, timeout: float = 60.0) -> in
         except OSError as exc:
             for fd in received:
                 os.close(fd)
-            raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc="ARENA") from None
-    length, kind, _, _ = wire.HEADER.unpack_from(data)
+            raise Unavailable(StatusCode.UNAVAILABLE, f"data plane {path}: {exc}", rpc=rpc) from None
+    length, answer, _, _ = wire.HEADER.unpack_from(data)
     body = data[wire.HEADER.size:wire.HEADER.size + length]
-    if kind == Kind.ARENA_OK and len(received) == 1:
+    if answer == ok_kind and len(received) == 1:
         return received[0]
     for fd in received:
         os.close(fd)
-    if kind == Kind.ERROR:
-        raise _error(body, "ARENA")
-    raise StorageError(StatusCode.INTERNAL, f"{path}: ARENA answered with frame kind {kind} and "
-                       f"{len(received)} descriptors", rpc="ARENA")
+    if answer == Kind.ERROR:
+        raise _error(body, rpc)
+    raise StorageError(StatusCode.INTERNAL, f"{path}: {rpc} answered with frame kind {answer} and "
+                       f"{len(received)} descriptors", rpc=rpc)
 def _out_of_range(rpc: str, layer: int, experts: Sequence[int]) -> StorageError:
     """The frames carry u32 ids: a request struct could not pack is refused as the daemon refuses
     it over gRPC (INVALID_ARGUMENT naming the value), not with a bare struct.error."""

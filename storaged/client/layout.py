@@ -95,7 +95,7 @@ def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int
     which = arena.WhichOneof("memory")
     if which == "memfd":
         return ArenaDescriptor(kind=KIND_MEMFD, slot_bytes=slot_bytes, slot_count=slot_count,
-                               map_entries=arena.slot_map_entries)
+                               map_entries=arena.slot_map_entries, host_slots=arena.host_slots)
     if which == "shm":
         raise ArenaDescriptorError(f"the daemon offers a path-named shared-memory arena ({arena.shm.path}), which "
                                    "any process its file mode lets in could write; this client maps sealed memfd "
@@ -108,5 +108,5 @@ def arena_from_proto(arena: pb.ArenaDescriptor, slot_bytes: int, slot_count: int
             storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
             ref_counter_offset=c.ref_counter_offset, export_event_handle=c.event_handle,
             export_event_sync_required=c.event_sync_required, event_handles=tuple(arena.event_handles),
-            map_entries=arena.slot_map_entries)
+            map_entries=arena.slot_map_entries, host_slots=arena.host_slots)
     raise ArenaDescriptorError(f"Attach reply has no arena memory (oneof 'memory' is {which!r})")

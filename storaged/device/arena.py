@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import errno
 import fcntl
 import mmap
 import os
@@ -17,9 +16,9 @@ import os
 import torch
 
 from packformat.constants import ALIGNMENT
-from storaged.device.descriptor import KIND_MEMFD, ArenaDescriptor, map_region_bytes
+from storaged.device.descriptor import KIND_MEMFD, ArenaDescriptor, map_region_bytes, map_region_entries
 from storaged.device.errors import ArenaClosedError, ArenaError, CopySizeError, SlotRangeError
-from storaged.io.host_memory import AlignedBuffer
+from storaged.io.host_memory import SHARED_SEALS, AlignedBuffer, sealable_memfd
 
 HostSource = AlignedBuffer | torch.Tensor | memoryview
 ABSENT = -1  # slot map value of an object that is not resident (storaged.policy.slot_map.ABSENT)
@@ -98,7 +97,9 @@ COMPLETED = CopyHandle()
 
 class Arena(abc.ABC):
     """slot_count slots of slot_bytes (a multiple of 4096) in one allocation, followed by the
-    slot map: `map_entries` int32 entries (storaged.policy.slot_map), -1 until published.
+    slot map: `map_entries` int32 entries (storaged.policy.slot_map), -1 until published. With
+    `host_slots`, a host map of as many entries follows it: entry `host_index(i)` names the host
+    tier slot holding entry i's object (clients read those bytes in place), under the same rule.
 
     The map is what lets a client find hits on the device without a round trip, so its writes
     follow one rule: an entry names a slot only while that slot's bytes are the object's.
@@ -110,16 +111,20 @@ class Arena(abc.ABC):
 
     kind: str
 
-    def __init__(self, slot_count: int, slot_bytes: int, map_entries: int = 0):
+    def __init__(self, slot_count: int, slot_bytes: int, map_entries: int = 0, host_slots: int = 0):
         if slot_count <= 0:
             raise ValueError(f"slot_count must be > 0, got {slot_count}")
         if slot_bytes <= 0 or slot_bytes % ALIGNMENT:
             raise ValueError(f"slot_bytes {slot_bytes} is not a positive multiple of {ALIGNMENT}")
         if map_entries < 0:
             raise ValueError(f"map_entries must be >= 0, got {map_entries}")
+        if host_slots < 0 or (host_slots and not map_entries):
+            raise ValueError(f"host_slots must be >= 0, and 0 without a slot map, got {host_slots}")
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
         self.map_entries = map_entries
+        self.host_slots = host_slots
+        self.region_entries = map_region_entries(map_entries, host_slots)  # int32 entries of both maps
         self._tensor: torch.Tensor | None = None  # uint8 [allocation_bytes]: slots, then the map
 
     @property
@@ -130,12 +135,18 @@ class Arena(abc.ABC):
     @property
     def allocation_bytes(self) -> int:
         """Bytes of the whole allocation: the slots and the slot map."""
-        return self.arena_bytes + map_region_bytes(self.map_entries)
+        return self.arena_bytes + map_region_bytes(self.region_entries)
 
     def _map_view(self) -> torch.Tensor:
-        """int32 [map_entries] view of the map region of the allocation."""
+        """int32 [region_entries] view of the map region of the allocation (both maps)."""
         tensor = self._live()
-        return tensor[self.arena_bytes:self.arena_bytes + 4 * self.map_entries].view(torch.int32)
+        return tensor[self.arena_bytes:self.arena_bytes + 4 * self.region_entries].view(torch.int32)
+
+    def host_index(self, index: int) -> int:
+        """The region index of slot map entry `index`'s host map entry."""
+        if not self.host_slots:
+            raise IndexError("this arena has no host map (host_slots is 0)")
+        return self.map_entries + index
 
     def _live(self) -> torch.Tensor:
         if self._tensor is None:
@@ -143,22 +154,33 @@ class Arena(abc.ABC):
         return self._tensor
 
     def read_map(self, index: int) -> int:
-        """The published value of one map entry (tests and diagnostics)."""
+        """The published value of one region entry (tests and diagnostics)."""
         self._check_map_index(index)
         return int(self._map_view()[index].item())
 
     def _check_map_index(self, index: int) -> None:
-        if not 0 <= index < self.map_entries:
-            raise IndexError(f"slot map entry {index} outside [0, {self.map_entries})")
+        if not 0 <= index < self.region_entries:
+            raise IndexError(f"slot map entry {index} outside [0, {self.region_entries})")
+
+    def _check_published(self, index: int, slot: int) -> None:
+        """A value `slot` that region entry `index` may hold: an arena slot in the slot map, a
+        host tier slot in the host map."""
+        self._check_map_index(index)
+        if index < self.map_entries:
+            if not 0 <= slot < self.slot_count:
+                raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        elif not 0 <= slot < self.host_slots:
+            raise SlotRangeError(f"{self.kind} arena's host map", slot, self.host_slots)
 
     @abc.abstractmethod
     def publish(self, index: int, slot: int) -> None:
-        """Map entry `index` names `slot` from now on (visible soon after, and before any later
-        unpublish of it returns); call only once the slot's bytes are complete."""
+        """Region entry `index` (a slot map entry, or a `host_index`) names `slot` from now on
+        (visible soon after, and before any later unpublish of it returns); call only once the
+        slot's bytes are complete."""
 
     @abc.abstractmethod
     def unpublish(self, indices: list[int]) -> None:
-        """Map entries `indices` read -1 from now on (visible before this returns)."""
+        """Region entries `indices` read -1 from now on (visible before this returns)."""
 
     def slot_tensor(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         """uint8 [nbytes] view of slot's first nbytes (whole slot by default), in this process."""
@@ -208,19 +230,7 @@ class Arena(abc.ABC):
         self.close()
 
 
-# fcntl seals (Linux; Python's fcntl names only some of them)
-F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mapping or write() through any fd
-MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3: the memfd can never be made executable
-ARENA_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def _sealable_memfd(name: str) -> int:
-    try:
-        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # a kernel before 6.3
+ARENA_SEALS = SHARED_SEALS
 
 
 class CpuArena(Arena):
@@ -238,11 +248,11 @@ class CpuArena(Arena):
 
     kind = KIND_MEMFD
 
-    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0):
-        super().__init__(slot_count, slot_bytes, map_entries)
+    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, host_slots: int = 0):
+        super().__init__(slot_count, slot_bytes, map_entries, host_slots)
         what = f"a {self.allocation_bytes}-byte CPU arena"
         try:
-            fd = _sealable_memfd("expertpack-arena")
+            fd = sealable_memfd("expertpack-arena")
         except OSError as exc:
             raise ArenaError(f"cannot create {what} (memfd_create): {exc.strerror}") from None
         try:
@@ -280,12 +290,10 @@ class CpuArena(Arena):
         if self._tensor is None:
             raise ArenaClosedError("CPU arena is closed")
         return ArenaDescriptor(kind=KIND_MEMFD, slot_bytes=self.slot_bytes, slot_count=self.slot_count,
-                               map_entries=self.map_entries)
+                               map_entries=self.map_entries, host_slots=self.host_slots)
 
     def publish(self, index: int, slot: int) -> None:
-        self._check_map_index(index)
-        if not 0 <= slot < self.slot_count:
-            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        self._check_published(index, slot)
         self._map_view()[index] = slot  # an aligned 4-byte store: readers see old or new, never a mix
 
     def unpublish(self, indices: list[int]) -> None:

@@ -58,6 +58,14 @@ class ClientArena:
         d = self.descriptor
         return self._live()[d.map_offset:d.map_offset + 4 * d.map_entries].view(torch.int32)
 
+    def host_map(self) -> torch.Tensor | None:
+        """int32 [map_entries]: the daemon's host map (object -> host tier slot, -1: not there),
+        or None when it shares no host tier. Read like the slot map, under the step fence."""
+        d = self.descriptor
+        if not d.host_slots:
+            return None
+        return self._live()[d.host_map_offset:d.host_map_offset + 4 * d.map_entries].view(torch.int32)
+
     def wait_event(self, index: int, stream=None) -> None:
         """Make `stream` wait for the copy that recorded event `index`. No-op for memfd arenas."""
 

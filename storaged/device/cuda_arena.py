@@ -16,15 +16,15 @@ import torch
 from storaged.device.arena import ABSENT, Arena, CopyHandle, HostSource, host_address
 from storaged.device.cuda_driver import DriverApi
 from storaged.device.descriptor import KIND_CUDA_IPC, ArenaDescriptor
-from storaged.device.errors import ArenaClosedError, CudaUnavailableError, SlotRangeError
+from storaged.device.errors import ArenaClosedError, CudaUnavailableError
 
 
 class CudaArena(Arena):
     kind = KIND_CUDA_IPC
 
-    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, device: int = 0,
-                 event_count: int = 256):
-        super().__init__(slot_count, slot_bytes, map_entries)
+    def __init__(self, slot_count: int, slot_bytes: int, *, map_entries: int = 0, host_slots: int = 0,
+                 device: int = 0, event_count: int = 256):
+        super().__init__(slot_count, slot_bytes, map_entries, host_slots)
         if not torch.cuda.is_available():
             raise CudaUnavailableError("a CUDA arena needs a CUDA build of torch and a visible GPU")
         if not 0 <= device < torch.cuda.device_count():
@@ -36,12 +36,12 @@ class CudaArena(Arena):
         with torch.cuda.device(self.device):
             # One caching-allocator block of its own: an export covers exactly this tensor.
             self._tensor = torch.empty(self.allocation_bytes, dtype=torch.uint8, device=self.device)
-            self._device_map = self._map_view()  # int32 [map_entries], kept: one view, not one per write
+            self._device_map = self._map_view()  # int32 [region_entries], kept: one view, not one per write
             self._device_map.fill_(ABSENT)
             # The map's truth on the host, and a stream of its own for the writes, which are fill
             # kernels rather than copies: a copy would queue on the copy engine behind megabytes
             # of object copies (the event loop waited ~1 ms a write with 50 MB in flight).
-            self._map_host = torch.full((map_entries,), ABSENT, dtype=torch.int32)
+            self._map_host = torch.full((self.region_entries,), ABSENT, dtype=torch.int32)
             self._map_stream = torch.cuda.Stream(self.device)
             torch.cuda.synchronize(self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -91,13 +91,11 @@ class CudaArena(Arena):
             storage_offset_bytes=int(offset), ref_counter_handle=bytes(ref_handle),
             ref_counter_offset=int(ref_offset), export_event_handle=bytes(event_handle or b""),
             export_event_sync_required=bool(event_sync_required), event_handles=self._event_handles,
-            map_entries=self.map_entries,
+            map_entries=self.map_entries, host_slots=self.host_slots,
         )
 
     def publish(self, index: int, slot: int) -> None:
-        self._check_map_index(index)
-        if not 0 <= slot < self.slot_count:
-            raise SlotRangeError(f"{self.kind} arena", slot, self.slot_count)
+        self._check_published(index, slot)
         # Not waited for: until the fill runs, a reader only misses a hit it could have had. The
         # wait would block the event loop until this context gets the GPU, which while a client's
         # kernels run is a time slice (~0.2 ms a publish, several a layer, in front of the next

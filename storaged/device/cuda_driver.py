@@ -22,6 +22,9 @@ CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
 CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
+CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+CU_MEMHOSTREGISTER_READ_ONLY = 0x8  # memory this process may only read (a sealed file mapped read-only)
 
 _c_ptr = ctypes.c_void_p
 _c_size = ctypes.c_size_t
@@ -44,6 +47,9 @@ _SIGNATURES = {
     "cuEventSynchronize": (_c_ptr,),
     "cuStreamWaitEvent": (_c_ptr, _c_ptr, _c_uint),
     "cuGetErrorName": (_c_int, ctypes.POINTER(ctypes.c_char_p)),
+    "cuMemHostRegister_v2": (_c_ptr, _c_size, _c_uint),
+    "cuMemHostUnregister": (_c_ptr,),
+    "cuMemHostGetDevicePointer_v2": (ctypes.POINTER(ctypes.c_uint64), _c_ptr, _c_uint),
 }
 
 
@@ -105,6 +111,26 @@ class DriverApi:
     def wait(self, stream: int, event: int) -> None:
         """`stream` runs nothing queued after this until `event`'s recorded work completed."""
         self._check("cuStreamWaitEvent", self._current().cuStreamWaitEvent(stream, event, 0))
+
+    def register_mapped(self, host_address: int, nbytes: int, *, read_only: bool = False) -> int:
+        """Pin [host_address, +nbytes) (page-aligned; e.g. a shared mapping another process pins
+        too) and map it into the device's address space; → the device address kernels read it at.
+        read_only: the mapping is read-only (the device may then only read it)."""
+        lib = self._current()
+        flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+        if read_only:
+            flags |= CU_MEMHOSTREGISTER_READ_ONLY
+        self._check("cuMemHostRegister", lib.cuMemHostRegister_v2(host_address, nbytes, flags))
+        device_address = ctypes.c_uint64()
+        result = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_address), host_address, 0)
+        if result != CUDA_SUCCESS:
+            lib.cuMemHostUnregister(host_address)
+            self._check("cuMemHostGetDevicePointer", result)
+        return device_address.value
+
+    def unregister(self, host_address: int) -> None:
+        """Undo register_mapped; only once no queued kernel reads the memory any more."""
+        self._check("cuMemHostUnregister", self._current().cuMemHostUnregister(host_address))
 
     def create_event(self) -> DriverEvent:
         """A timing-free event whose synchronize sleeps rather than spins."""

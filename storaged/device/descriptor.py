@@ -37,6 +37,9 @@ class ArenaDescriptor:
     event_handles: tuple[bytes, ...] = field(default_factory=tuple)
     # int32 entries of the slot map that follows the slots (at byte arena_bytes); 0: no map
     map_entries: int = 0
+    # slots of the daemon's host tier that clients may read in place; when > 0 a second map of
+    # map_entries entries (object -> host slot, -1: not there) follows the first
+    host_slots: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "event_handles", tuple(self.event_handles))
@@ -56,6 +59,8 @@ class ArenaDescriptor:
                                            f"of {self.map_entries} entries")
         if self.map_entries < 0:
             raise ArenaDescriptorError(f"map_entries {self.map_entries} must be >= 0")
+        if self.host_slots < 0 or (self.host_slots and not self.map_entries):
+            raise ArenaDescriptorError(f"host_slots {self.host_slots} must be >= 0, and 0 without a slot map")
 
     @property
     def arena_bytes(self) -> int:
@@ -68,9 +73,19 @@ class ArenaDescriptor:
         return self.arena_bytes
 
     @property
+    def host_map_offset(self) -> int:
+        """Byte offset of the host map (meaningful when host_slots > 0): right after the slot map."""
+        return self.arena_bytes + 4 * self.map_entries
+
+    @property
     def mapped_bytes(self) -> int:
-        """Bytes a client maps: the slots and the slot map."""
-        return self.arena_bytes + map_region_bytes(self.map_entries)
+        """Bytes a client maps: the slots, the slot map and the host map."""
+        return self.arena_bytes + map_region_bytes(map_region_entries(self.map_entries, self.host_slots))
+
+
+def map_region_entries(map_entries: int, host_slots: int) -> int:
+    """int32 entries of the map region: the slot map, and the host map when there are host slots."""
+    return map_entries * (2 if host_slots else 1)
 
 
 def map_region_bytes(entries: int) -> int:

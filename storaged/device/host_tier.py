@@ -16,10 +16,20 @@ from storaged.io.host_memory import AlignedBuffer, HostMemory
 
 
 class HostTier:
-    def __init__(self, slot_count: int, slot_bytes: int, *, pin: bool = False):
-        self._memory = HostMemory(slot_count, slot_bytes, pin=pin, what="host tier")
+    """shared=True: the slots are in a sealed memory file that clients map read-only (`client_fd`,
+    handed out over the data plane) to read objects in place, found through the arena's host map."""
+
+    def __init__(self, slot_count: int, slot_bytes: int, *, pin: bool = False, shared: bool = False):
+        self._memory = HostMemory(slot_count, slot_bytes, pin=pin, shared=shared, what="host tier")
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
+
+    @property
+    def client_fd(self) -> int | None:
+        """The memory file clients map (read-only), or None when the tier is not shared."""
+        if self._memory.closed:
+            raise ArenaClosedError("host tier is closed")
+        return self._memory.fd
 
     @property
     def pinned(self) -> bool:

@@ -9,7 +9,10 @@ and are truly asynchronous.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,23 @@ class AlignedBuffer:
         return self.view.nbytes
 
 
+# fcntl seals (Linux; Python's fcntl names only some of them)
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mapping or write() through any fd
+MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3: the memfd can never be made executable
+# what a memory file shared with clients is sealed with: read-only mappings only, fixed size
+SHARED_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealable_memfd(name: str) -> int:
+    """An anonymous memory file that accepts seals (and, on Linux 6.3+, can never be executable)."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # a kernel before 6.3
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 
 
@@ -56,6 +76,22 @@ def _prefault(mapping: mmap.mmap) -> None:
                 pass
 
 
+def _shared_file(nbytes: int, what: str) -> int:
+    """A sealable memory file of nbytes, its pages reserved (a shortage fails here, not as a
+    SIGBUS on a later write)."""
+    try:
+        fd = sealable_memfd("expertpack-host-tier")
+    except OSError as exc:
+        raise HostPinError(f"{what}: memfd_create failed: {exc.strerror}") from None
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        raise HostPinError(f"{what}: cannot reserve {nbytes} bytes of shared memory: {exc.strerror}") from None
+    return fd
+
+
 def _cuda_error_code(result) -> int:
     # torch's cudart binding returns a pybind enum (cudaError); int() gives the raw value.
     return int(result)
@@ -64,11 +100,16 @@ def _cuda_error_code(result) -> int:
 class HostMemory:
     """`count` aligned buffers of `buffer_bytes` each, in one mapping, optionally CUDA-pinned.
 
+    With shared=True the mapping is of a memory file (`fd`) sealed like a CPU arena once mapped
+    here: another process may map it read-only (the host tier that clients read in place), and
+    only this process's mapping can change the bytes.
+
     Close only after every copy that reads or writes these buffers has completed: unpinning
     memory under an in-flight DMA is undefined behaviour.
     """
 
-    def __init__(self, count: int, buffer_bytes: int, *, pin: bool = False, what: str = "host memory"):
+    def __init__(self, count: int, buffer_bytes: int, *, pin: bool = False, shared: bool = False,
+                 what: str = "host memory"):
         if count <= 0:
             raise ValueError(f"{what}: buffer count must be > 0, got {count}")
         if buffer_bytes <= 0 or buffer_bytes % ALIGNMENT:
@@ -78,8 +119,20 @@ class HostMemory:
         self.buffer_bytes = buffer_bytes
         self.total_bytes = count * buffer_bytes
         self.pinned = False
-        self._mmap = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.fd: int | None = None
+        if shared:
+            self.fd = fd = _shared_file(self.total_bytes, what)
+            try:
+                self._mmap = mmap.mmap(fd, self.total_bytes, flags=mmap.MAP_SHARED,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+            except OSError as exc:
+                os.close(fd)
+                raise HostPinError(f"{what}: cannot map and seal a {self.total_bytes}-byte shared memory file "
+                                   f"({exc.strerror}; sealing needs Linux 5.1 or later)") from None
+        else:
+            self._mmap = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         _prefault(self._mmap)
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # [total_bytes]
         self.address = self._tensor.data_ptr()
@@ -127,6 +180,9 @@ class HostMemory:
         self.buffers = ()
         self._tensor = None
         self._mmap = None
+        if self.fd is not None:  # mapped clients keep their pages
+            os.close(self.fd)
+            self.fd = None
         if error is not None:
             raise error
 

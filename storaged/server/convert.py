@@ -93,7 +93,7 @@ def slot_map(layout: SlotMapLayout, model: ServedModel) -> pb.SlotMap:
 def arena_descriptor(descriptor: ArenaDescriptor) -> pb.ArenaDescriptor:
     if descriptor.kind == KIND_MEMFD:
         return pb.ArenaDescriptor(memfd=pb.MemfdArena(), size_bytes=descriptor.arena_bytes,
-                                  slot_map_entries=descriptor.map_entries)
+                                  slot_map_entries=descriptor.map_entries, host_slots=descriptor.host_slots)
     assert descriptor.kind == KIND_CUDA_IPC, descriptor.kind
     d = descriptor
     return pb.ArenaDescriptor(
@@ -102,4 +102,5 @@ def arena_descriptor(descriptor: ArenaDescriptor) -> pb.ArenaDescriptor:
             storage_offset_bytes=d.storage_offset_bytes, ref_counter_handle=d.ref_counter_handle,
             ref_counter_offset=d.ref_counter_offset, event_handle=d.export_event_handle,
             event_sync_required=d.export_event_sync_required),
-        size_bytes=d.arena_bytes, event_handles=d.event_handles, slot_map_entries=d.map_entries)
+        size_bytes=d.arena_bytes, event_handles=d.event_handles, slot_map_entries=d.map_entries,
+        host_slots=d.host_slots)

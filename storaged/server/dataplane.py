@@ -42,6 +42,10 @@ class ProtocolError(ValueError):
     """A frame that is not what the protocol allows: the connection is answered and closed."""
 
 
+class HostTierNotShared(RuntimeError):
+    """A HOST_TIER request to a daemon without a host tier (FAILED_PRECONDITION)."""
+
+
 class DataPlaneServer:
     def __init__(self, path: Path, engine: StorageEngine, sessions: SessionRegistry, fences: FenceTable,
                  policy: AccessPolicy | None):
@@ -114,9 +118,10 @@ class DataPlaneServer:
                 if session is None:  # an ARENA exchange, answered: nothing to serve or bind
                     await _linger(loop, sock)
                     return
-            except (TimeoutError, ProtocolError, ConnectionError, *REQUEST_ERRORS) as exc:
+            except (TimeoutError, ProtocolError, ConnectionError, HostTierNotShared, *REQUEST_ERRORS) as exc:
                 if not isinstance(exc, ConnectionError):
                     code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else (
+                        grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, HostTierNotShared) else
                         status_of(exc) or grpc.StatusCode.INVALID_ARGUMENT)
                     with contextlib.suppress(OSError):
                         await loop.sock_sendall(sock, _error(0, code, str(exc) or "no HELLO in time"))
@@ -156,8 +161,8 @@ class DataPlaneServer:
         loop = asyncio.get_running_loop()
         header = await _recv_exactly(loop, sock, wire.HEADER.size)
         length, kind, _, _ = wire.HEADER.unpack(header)
-        if kind not in (Kind.HELLO, Kind.ARENA) or not 4 < length <= 4 + 1024:
-            raise ProtocolError(f"expected a HELLO or ARENA frame of at most 1028 bytes, got kind {kind}, "
+        if kind not in (Kind.HELLO, Kind.ARENA, Kind.HOST_TIER) or not 4 < length <= 4 + 1024:
+            raise ProtocolError(f"expected a HELLO, ARENA or HOST_TIER frame of at most 1028 bytes, got kind {kind}, "
                                 f"{length} bytes")
         body = await _recv_exactly(loop, sock, length)
         (version,) = wire.U32.unpack_from(body)
@@ -172,6 +177,9 @@ class DataPlaneServer:
         if kind == Kind.ARENA:
             self._send_arena(sock, session_id)
             return None
+        if kind == Kind.HOST_TIER:
+            self._send_host_tier(sock, session_id)
+            return None
         return self.sessions.bind_stream(session_id)
 
     def _send_arena(self, sock: socket.socket, session_id: str) -> None:
@@ -180,9 +188,18 @@ class DataPlaneServer:
         if fd is None:
             raise ProtocolError("this daemon's arena is CUDA IPC memory, mapped from the Attach reply's "
                                 "descriptor alone; ARENA hands out memfd arenas only")
-        # As for HELLO_OK: the fresh socket's empty send buffer takes this frame and its fd whole.
-        sock.sendmsg([wire.frame(Kind.ARENA_OK, 0)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        _send_fd(sock, Kind.ARENA_OK, fd)
         self.engine.metrics.record_dataplane_request("arena")
+
+    def _send_host_tier(self, sock: socket.socket, session_id: str) -> None:
+        self.sessions.get(session_id)  # SessionNotFound, as for ARENA
+        tier = self.engine.host_tier
+        fd = tier.client_fd if tier is not None and self.engine.arena.host_slots else None
+        if fd is None:
+            raise HostTierNotShared("this daemon shares no host tier (host_cache_bytes is 0): "
+                                    "its arena descriptor has host_slots 0")
+        _send_fd(sock, Kind.HOST_TIER_OK, fd)
+        self.engine.metrics.record_dataplane_request("host_tier")
 
     async def _requests(self, session: ServerSession, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
@@ -245,6 +262,11 @@ class DataPlaneServer:
 
 
 _KIND_NAMES = {Kind.ACQUIRE: "acquire", Kind.PREFETCH: "prefetch", Kind.RELEASE: "release"}
+
+
+def _send_fd(sock: socket.socket, kind: int, fd: int) -> None:
+    # As for HELLO_OK: a fresh socket's empty send buffer takes this small frame and its fd whole.
+    sock.sendmsg([wire.frame(kind, 0)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 
 
 def _ids(body: bytes, head) -> tuple[int, int, tuple[int, ...]]:

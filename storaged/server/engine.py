@@ -20,6 +20,12 @@ a client reading the map on the device never sees a slot change under a step. A 
 place in the host tier is first copied down (a demotion); the arena orders the overwrite after
 it on the device, so the overwrite needs no host wait of its own.
 
+Clients also read host-tier objects in place (the arena's host map, published when a demotion's
+copy completed). A host slot is reused only by a demotion, and under the same rule: the evicted
+entry's host map entry is cleared with the plan's VRAM victims, and when a session that may have
+read it is still mid-step, the demotion's copy waits for that step to finish, and the load into
+the VRAM slot it empties waits for that copy to be issued (the arena orders the two on the device).
+
 Runs on the event loop thread only, like the planner it drives.
 """
 
@@ -27,11 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 from packformat.errors import ObjectChecksumError
 from storaged.device.arena import Arena, CopyHandle
+from storaged.device.errors import ArenaClosedError
 from storaged.device.host_tier import HostTier
 from storaged.io.executor import ReadExecutor, ReadPriority
 from storaged.io.staging import StagingPool
@@ -70,6 +78,15 @@ def _consume_exception(future: asyncio.Future) -> None:
     # A load's futures may fail with nobody awaiting them (e.g. a prefetch); mark them seen.
     if not future.cancelled():
         future.exception()
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """What the overwrite of a VRAM victim's slot waits for: the fence snapshot taken when the
+    victim's entries were cleared, and the victim's demotion when its copy was held back."""
+
+    snapshot: Snapshot
+    demotion_issued: asyncio.Future | None = None  # → None once the copy out of the slot is issued
 
 
 @dataclass(eq=False)
@@ -203,7 +220,7 @@ class StorageEngine:
                                  "and is no longer resident")
         reload = self.planner.reload(key)
         self.arena.unpublish([self.slot_map.index(key)])  # visible on return
-        load = self._start_load(reload, model, ReadPriority.DEMAND, self.fences.snapshot())
+        load = self._start_load(reload, model, ReadPriority.DEMAND, _Reuse(self.fences.snapshot()))
         load.done.add_done_callback(
             lambda done: not done.cancelled() and done.exception() is None and self._count_reload(key))
         return load, True
@@ -213,19 +230,34 @@ class StorageEngine:
 
     # ---- victims -----------------------------------------------------------------------------
 
-    def _retire(self, evictions: tuple[Eviction, ...], demotions: tuple[Demotion, ...]) -> dict[int, Snapshot]:
-        """Unmap a plan's VRAM victims, start their demotions; → {reused VRAM slot: the fence
-        snapshot its overwrite must wait for}."""
-        victims = [e for e in evictions if e.tier == self.planner.vram.tier]
+    def _retire(self, evictions: tuple[Eviction, ...], demotions: tuple[Demotion, ...]) -> dict[int, _Reuse]:
+        """Unmap a plan's VRAM victims (and the host map entries of the host entries its demotions
+        evict), start the demotions; → {reused VRAM slot: what its overwrite must wait for}."""
+        vram_tier = self.planner.vram.tier
+        victims = [e for e in evictions if e.tier == vram_tier]
         if not victims:
             return {}
-        self.arena.unpublish([self.slot_map.index(e.key) for e in victims])  # visible on return
+        indices = [self.slot_map.index(e.key) for e in victims]
+        host_victims = set()
+        if self.arena.host_slots:
+            for e in evictions:
+                if e.tier != vram_tier:
+                    indices.append(self.arena.host_index(self.slot_map.index(e.key)))
+                    host_victims.add(e.slot)
+        self.arena.unpublish(indices)  # visible on return
         snapshot = self.fences.snapshot()  # sessions that may have read the old entries
+        held = bool(host_victims) and not FenceTable.quiesced(snapshot)
+        reuse = {e.slot: _Reuse(snapshot) for e in victims}
         for demotion in demotions:
-            self._start_demotion(demotion)
-        return {e.slot: snapshot for e in victims}
+            if held and demotion.host_slot in host_victims:
+                reuse[demotion.vram_slot] = _Reuse(snapshot, self._start_demotion(demotion, snapshot))
+            else:
+                self._start_demotion(demotion)
+        return reuse
 
-    def _start_demotion(self, demotion: Demotion) -> None:
+    def _start_demotion(self, demotion: Demotion, snapshot: Snapshot | None = None) -> asyncio.Future | None:
+        """Copy a VRAM victim down to its host slot: at once (→ None), or, with `snapshot`, once
+        every session in it finished its step (→ a future resolved when the copy is issued)."""
         assert self.host_tier is not None
         key = demotion.key
         nbytes = self._models[key.model].pack.entry(key.layer, key.expert).size
@@ -233,15 +265,31 @@ class StorageEngine:
         future = loop.create_future()
         future.add_done_callback(_consume_exception)
         self._demotions[key] = future
-        try:
-            # Queued now, before any copy into the VRAM slot: the arena runs them in that order.
-            handle = self.arena.copy_out(demotion.vram_slot, self.host_tier.slot(demotion.host_slot), nbytes)
-        except Exception as exc:  # noqa: BLE001 - a failed demotion only loses a cached copy
-            self._end_demotion(key, future, exc)
-            return
-        self.metrics.record_demotion(nbytes)
+        issued = loop.create_future() if snapshot is not None else None
 
-        async def finish() -> None:
+        def issue() -> CopyHandle | None:
+            try:
+                # Queued before any copy into the VRAM slot: the arena runs them in that order.
+                handle = self.arena.copy_out(demotion.vram_slot, self.host_tier.slot(demotion.host_slot), nbytes)
+            except Exception as exc:  # noqa: BLE001 - a failed demotion only loses a cached copy
+                self._end_demotion(key, future, exc)
+                return None
+            finally:
+                if issued is not None:
+                    issued.set_result(None)
+            self.metrics.record_demotion(nbytes)
+            return handle
+
+        handle = issue() if snapshot is None else None
+        if snapshot is None and handle is None:
+            return None
+
+        async def finish(handle: CopyHandle | None) -> None:
+            if handle is None:  # held back: a session may still read the host slot's old object
+                await self.fences.wait_quiesced(snapshot)
+                handle = issue()
+                if handle is None:
+                    return
             try:
                 await handle.wait()
             except Exception as exc:  # noqa: BLE001
@@ -249,15 +297,19 @@ class StorageEngine:
             else:
                 self._end_demotion(key, future, None)
 
-        task = loop.create_task(finish(), name=f"demotion {key}")
+        task = loop.create_task(finish(handle), name=f"demotion {key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return issued
 
     def _end_demotion(self, key: ExpertKey, future: asyncio.Future, error: Exception | None) -> None:
         if self._demotions.get(key) is future:
             del self._demotions[key]
         if error is None:
-            self.planner.demoted(key)
+            host_slot = self.planner.demoted(key)
+            if self.arena.host_slots:  # clients may read it in place from now on
+                with contextlib.suppress(ArenaClosedError):
+                    self.arena.publish(self.arena.host_index(self.slot_map.index(key)), host_slot)
             future.set_result(None)
         else:
             self.planner.demotion_failed(key)
@@ -266,7 +318,7 @@ class StorageEngine:
     # ---- loads -------------------------------------------------------------------------------
 
     def _start_load(self, step: ExpertStep, model: ServedModel, priority: ReadPriority,
-                    snapshot: Snapshot | None = None) -> _Load:
+                    reuse: _Reuse | None = None) -> _Load:
         loop = asyncio.get_running_loop()
         load = _Load(step.key, priority, loop.create_future(), loop.create_future())
         for future in (load.issued, load.done):
@@ -274,7 +326,7 @@ class StorageEngine:
         self._loads[step.key] = load
         demotion = self._demotions[step.key] if step.after_demotion else None  # taken now: it may end first
         handle = None
-        if step.source is Source.HOST and self._nothing_to_wait_for(demotion, snapshot):
+        if step.source is Source.HOST and self._nothing_to_wait_for(demotion, reuse):
             # The common promotion: its bytes are in the host tier and nothing orders it, so the
             # copy is issued now and the Acquire that asked for it finds it issued without
             # yielding to the loop (a task per copy cost ~0.1 ms a promotion in scheduling).
@@ -283,17 +335,21 @@ class StorageEngine:
             except Exception as exc:  # noqa: BLE001 - as in _run_load: fail the waiters, not hang them
                 self._fail(load, ObjectReadFailed(f"load of {step.key} failed: {exc}"))
                 return load
-        task = loop.create_task(self._run_load(load, step, model, snapshot, demotion, handle),
+        task = loop.create_task(self._run_load(load, step, model, reuse, demotion, handle),
                                 name=f"load {step.key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return load
 
     @staticmethod
-    def _nothing_to_wait_for(demotion: asyncio.Future | None, snapshot: Snapshot | None) -> bool:
-        """No demotion still copying the object down, no session that may still read the slot."""
+    def _nothing_to_wait_for(demotion: asyncio.Future | None, reuse: _Reuse | None) -> bool:
+        """No demotion still copying the object down, no session that may still read the slot,
+        no held-back copy out of the slot still to be issued."""
         demoted = demotion is None or (demotion.done() and not demotion.cancelled() and demotion.exception() is None)
-        return demoted and (not snapshot or FenceTable.quiesced(snapshot))
+        if reuse is None:
+            return demoted
+        return (demoted and FenceTable.quiesced(reuse.snapshot)
+                and (reuse.demotion_issued is None or reuse.demotion_issued.done()))
 
     def _issue_copy(self, load: _Load, step: ExpertStep, model: ServedModel, source) -> CopyHandle:
         nbytes = model.pack.entry(step.key.layer, step.key.expert).size
@@ -328,7 +384,7 @@ class StorageEngine:
             finally:
                 load.read = None
 
-    async def _run_load(self, load: _Load, step: ExpertStep, model: ServedModel, snapshot: Snapshot | None,
+    async def _run_load(self, load: _Load, step: ExpertStep, model: ServedModel, reuse: _Reuse | None,
                         demotion: asyncio.Future | None, handle: CopyHandle | None = None) -> None:
         """Read or wait for the source, copy it into the slot (unless `handle`: already issued),
         publish the slot once the copy completed."""
@@ -344,8 +400,10 @@ class StorageEngine:
                     if demotion is not None:  # its bytes are still on their way down
                         await asyncio.shield(demotion)
                     source = self.host_tier.slot(step.host_slot)
-                if snapshot:
-                    await self.fences.wait_quiesced(snapshot)  # no step may still read the victim
+                if reuse is not None:
+                    await self.fences.wait_quiesced(reuse.snapshot)  # no step may still read the victim
+                    if reuse.demotion_issued is not None:  # its bytes are copied out first
+                        await asyncio.shield(reuse.demotion_issued)
                 handle = self._issue_copy(load, step, model, source)
             await handle.wait()
             self.arena.publish(self.slot_map.index(key), step.slot)

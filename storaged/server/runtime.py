@@ -107,14 +107,16 @@ def build_runtime(config: StoragedConfig, models: Mapping[str, ServedModel]) -> 
                 executor.add_pack(model.name, DirectPackFile(
                     model.pack.path, direct_io=config.direct_io, verify=config.verify_checksums))
             arena = create_arena("cuda" if cuda else "cpu", geometry.slot_count, geometry.slot_bytes,
-                                 map_entries=slot_map.entries, device=config.cuda_device_index or 0,
+                                 map_entries=slot_map.entries, host_slots=geometry.host_slots,
+                                 device=config.cuda_device_index or 0,
                                  event_count=CUDA_COPY_EVENTS)
             undo.callback(arena.close)
             staging = StagingPool(config.staging_buffers, geometry.slot_bytes, pin=cuda)
             undo.callback(staging.close)
             host_tier = None
             if geometry.host_slots:
-                host_tier = HostTier(geometry.host_slots, geometry.slot_bytes, pin=cuda)
+                # shared: clients read host-tier objects in place, found through the arena's host map
+                host_tier = HostTier(geometry.host_slots, geometry.slot_bytes, pin=cuda, shared=True)
                 undo.callback(host_tier.close)
         except DirectIOUnsupported as exc:
             raise StartupError(str(exc)) from None

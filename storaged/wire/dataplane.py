@@ -1,4 +1,4 @@
-"""The data plane: storaged's hot-path protocol on a Unix socket beside the gRPC one (version 2).
+"""The data plane: storaged's hot-path protocol on a Unix socket beside the gRPC one (version 3).
 
 gRPC stays the control plane (Info, Attach, Stats, health); a Python gRPC round trip costs
 hundreds of microseconds, so the per-layer requests of a decode step travel here instead:
@@ -26,7 +26,12 @@ nothing, so a session on a gRPC Acquire stream maps its arena this way too:
 
 The file is sealed against writes: a client can map it read-only only (docs/storaged.md). Like
 every request, ARENA is answered only to a peer the allow-list admits: a refused one gets
-PERMISSION_DENIED and no descriptor.
+PERMISSION_DENIED and no descriptor. HOST_TIER is the same exchange for the host tier's memory
+file, which a client maps to read host-tier objects in place (ArenaDescriptor.host_slots > 0;
+FAILED_PRECONDITION where the daemon shares no host tier):
+
+    HOST_TIER  u32 version, utf-8 session id ->
+                                             <- HOST_TIER_OK (empty) + the host tier's memfd
 
 The ERROR status codes are gRPC's canonical codes (storaged.wire.status.StatusCode) with the
 meanings the proto lists for Acquire, Prefetch and Release; a request that fails is answered with
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 import struct
 
-VERSION = 2  # 2: the ARENA exchange (memfd arenas); 1 had path-named shared-memory arenas
+VERSION = 3  # 3: HOST_TIER and the host map; 2: the ARENA exchange; 1 had path-named shared-memory arenas
 
 HEADER = struct.Struct("<IHHQ")  # body bytes, kind, flags, request id
 assert HEADER.size == 16
@@ -65,6 +70,8 @@ class Kind:
     RELEASE_OK = 8
     ARENA = 9
     ARENA_OK = 10
+    HOST_TIER = 11
+    HOST_TIER_OK = 12
     ERROR = 15
 
 

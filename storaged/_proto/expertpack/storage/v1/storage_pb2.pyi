@@ -148,20 +148,22 @@ class DataPlane(_message.Message):
     def __init__(self, socket_path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ArenaDescriptor(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "memfd", "size_bytes", "event_handles", "slot_map_entries")
+    __slots__ = ("shm", "cuda_ipc", "memfd", "size_bytes", "event_handles", "slot_map_entries", "host_slots")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     MEMFD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAP_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryArena
     cuda_ipc: CudaIpcArena
     memfd: MemfdArena
     size_bytes: int
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     slot_map_entries: int
-    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., memfd: _Optional[_Union[MemfdArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_map_entries: _Optional[int] = ...) -> None: ...
+    host_slots: int
+    def __init__(self, shm: _Optional[_Union[SharedMemoryArena, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcArena, _Mapping]] = ..., memfd: _Optional[_Union[MemfdArena, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., slot_map_entries: _Optional[int] = ..., host_slots: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryArena(_message.Message):
     __slots__ = ("path", "offset")
