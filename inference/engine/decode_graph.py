@@ -43,6 +43,7 @@ from inference.engine.compiled_layers import compiled_layers, why_not_compiled
 from inference.engine.piecewise import PiecewiseStep
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding, expertpack_experts_forward
+from inference.experts.host_reads import host_tier_pairs, reads_host_tier
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_STEPS = 32  # most steps decoded on the acquire path after misses before trying the graph again
@@ -142,6 +143,9 @@ class StaticDecoder:
         self.piecewise_steps = 0
         self.fence = None
         self._lookups: dict[int, DeviceLookup] = {}
+        # with storaged's host tier read in place: the daemon's maps, and the merged map the steps'
+        # GEMVs read, recomputed at the start of every step (inference.experts.host_reads)
+        self._host_reads = self._slot_map = self._merged = None
         self._follow_source()
 
     @classmethod
@@ -168,11 +172,20 @@ class StaticDecoder:
         self._prefills = {}
         if lookup is None:  # a session without a slot map on this device: acquire path only
             self.fence, self._lookups, self.lookup_enabled = None, {}, False
+            self._host_reads = self._slot_map = self._merged = None
             return
-        slot_map, rows, arena, stride, fence = lookup
+        slot_map, rows, arena, stride, fence, host = lookup
         self.fence = fence
-        self._lookups = {layer: DeviceLookup(slot_map[rows[layer]], arena, stride, self.misses)
-                         for layer in self.bindings}
+        self._host_reads, self._slot_map = host, slot_map
+        self._merged = torch.empty_like(slot_map) if host is not None else None  # [rows, E] int32
+        self._lookups = {}
+        for layer, binding in self.bindings.items():
+            row = rows[layer]
+            if host is not None and reads_host_tier(binding):
+                self._lookups[layer] = DeviceLookup(self._merged[row], arena, stride, self.misses, slot_map[row],
+                                                    host.slots)
+            else:
+                self._lookups[layer] = DeviceLookup(slot_map[row], arena, stride, self.misses)
         self.lookup_enabled = True  # a new session's fence is not revoked
 
     # --- the model call -------------------------------------------------------------------------
@@ -186,7 +199,14 @@ class StaticDecoder:
         """The decode step on the static buffers: all device work, no host sync."""
         torch.le(self._kv_index, self.positions.view(1, 1, 1, 1), out=self.mask)
         self.misses.zero_()
+        self._merge_maps()
         return self._call(self.ids, self.positions, self.mask)
+
+    def _merge_maps(self) -> None:
+        """Both tiers' maps into the one the GEMVs read; inside the step's fence, like every read
+        of the maps (device work: captured with the step)."""
+        if self._host_reads is not None and self.lookup_enabled:
+            self._host_reads.merge(self._slot_map, out=self._merged)
 
     def _set_lookup(self, on: bool) -> None:
         for layer, binding in self.bindings.items():
@@ -230,7 +250,7 @@ class StaticDecoder:
         use); None when the prompt has no bucket or an expert was absent (cache left dirty)."""
         count = len(prompt_ids)
         bucket = prefill_bucket(count, self.max_len)
-        if bucket is None or not self._every_expert_resident():
+        if bucket is None or not self._every_expert_resident(bucket):
             return None
         prefill = self._prefills.get(bucket)
         if prefill is None:
@@ -251,11 +271,19 @@ class StaticDecoder:
         self.lookup_prefills += 1
         return logits
 
-    def _every_expert_resident(self) -> bool:
-        """Whether the slot map holds every expert of the model now: a prompt routes to most of a
-        layer's experts, so short of that the optimistic prefill would mostly be thrown away."""
+    def _every_expert_resident(self, tokens: int) -> bool:
+        """Whether the slot map holds every expert of the model now (with the host tier's, when a
+        prefill of `tokens` reads them in place): a prompt routes to most of a layer's experts, so
+        short of that the optimistic prefill would mostly be thrown away."""
         lookup = self.source.device_lookup()
-        return lookup is not None and bool((lookup[0] >= 0).all())
+        if lookup is None:
+            return False
+        slot_map, host = lookup[0], lookup[5]
+        top_k = getattr(self.model.config, "num_experts_per_tok", None)
+        pairs = min((host_tier_pairs(b) for b in self.bindings.values()), default=0)
+        if host is not None and top_k is not None and tokens * top_k <= pairs:
+            slot_map = host.merge(slot_map)
+        return bool((slot_map >= 0).all())
 
     def _new_prefill(self, bucket: int) -> _Prefill:
         positions = torch.arange(bucket, device=self.device).view(1, bucket)
@@ -269,6 +297,7 @@ class StaticDecoder:
 
     def _prefill_call(self, prefill: _Prefill) -> torch.Tensor:
         self.misses.zero_()
+        self._merge_maps()
         out = self.model(input_ids=prefill.ids, position_ids=prefill.positions, attention_mask=prefill.mask,
                          use_cache=True, logits_to_keep=prefill.last, **{self.cache_keyword: self.cache})
         return out.logits[0, -1]  # [V]

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from inference.experts import fused as F
+from inference.experts.host_reads import host_tier_pairs
 from inference.experts.eager import expert_outputs
 from inference.experts.errors import ExpertSourceError, RoutingError, UnboundExpertsError
 from inference.experts.plan import LayerPlan
@@ -46,12 +47,16 @@ BINDING_ATTRIBUTE = "expertpack_binding"
 @dataclasses.dataclass
 class DeviceLookup:
     """Where a captured step finds slots without asking anyone: this layer's row of the slot map
-    (int32 [E], -1 = absent) inside `arena`, and the step's miss counter (int32 [1])."""
+    (int32 [E], -1 = absent) inside `arena`, and the step's miss counter (int32 [1]). With `host`,
+    `layer_map` is the row of the merged map (inference.experts.host_reads: ids from host.first
+    on are host-tier slots, for the GEMV) and `vram_map` the slot map's own row (the GEMM's)."""
 
     layer_map: torch.Tensor
     arena: torch.Tensor
     stride: int
     misses: torch.Tensor
+    vram_map: torch.Tensor | None = None  # None: layer_map
+    host: object | None = None  # inference.kernels.ops.HostSlots
 
 
 @dataclasses.dataclass
@@ -79,6 +84,8 @@ class ExpertsBinding:
     # inference.engine.piecewise.PiecewiseStep while it records a step: the call becomes a boundary
     # between two captured pieces, and runs eagerly there when the step is replayed
     segment: object | None = None
+    # calls that acquired only the experts in neither tier, reading the others in place (host_reads)
+    absent_acquires: int = 0
 
 
 def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -107,7 +114,8 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     hint = binding.predict.predict(hidden_states) if binding.predict is not None else None
     plan = binding.plan
-    resident = _resident_slots(lookup, binding, unique, plan.target.num_experts)
+    resident = _resident_slots(lookup, binding, unique, plan.target.num_experts,
+                               _reads_host_tier(binding, top_k_index))
     # the one device -> host sync; with a resident lookup it also brings the experts' slots
     expert_ids, expert_counts, predicted, slots = _to_host(unique, counts, hint,
                                                            resident[1] if resident is not None else None)
@@ -120,9 +128,14 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
         binding.predict.send(predicted, tokens)
 
     if resident is not None and min(slots) >= 0:  # every expert resident: no Acquire at all
-        rows = SlotRows(resident[0].arena, resident[0].stride, tuple(slots))
+        rows = SlotRows(resident[0].arena, resident[0].stride, tuple(slots), resident[2])
         return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
                               expert_ids, expert_counts, rows)
+    if resident is not None and resident[2] is not None:  # the host tier is read in place
+        rows = _acquire_absent(binding, unique, expert_ids, slots)
+        if rows is not None:
+            return _fused_forward(self, binding, hidden_states, top_k_index, top_k_weights, pair_order, unique,
+                                  expert_ids, expert_counts, rows)
     groups = _groups(expert_ids, expert_counts, _capacity(binding.source))
     if binding.use_fused_kernels:
         if len(groups) == 1:
@@ -168,12 +181,41 @@ def _open_resident_lookup(binding: ExpertsBinding):
     return lookup
 
 
-def _resident_slots(lookup, binding: ExpertsBinding, unique: torch.Tensor, num_experts: int):
-    """(lookup, int32 slots of `unique` on the device), or None without a lookup."""
+def _reads_host_tier(binding: ExpertsBinding, top_k_index: torch.Tensor) -> bool:
+    """Whether this call's kernels may read host-tier slots in place."""
+    tokens, top_k = top_k_index.shape
+    return tokens * top_k <= host_tier_pairs(binding)
+
+
+def _resident_slots(lookup, binding: ExpertsBinding, unique: torch.Tensor, num_experts: int, host_ok: bool):
+    """(lookup, int32 slots of `unique` on the device, HostSlots or None), or None without a
+    lookup. Host-tier slots count only for a call that may read them in place (`host_ok`)."""
     if lookup is None:
         return None
+    rows, host = (lookup.rows, lookup.host) if host_ok else (lookup.vram()[0], None)
     # clamped: an out-of-range id is refused after the transfer, and must not fault the gather first
-    return lookup, lookup.rows[binding.layer][unique.clamp(0, num_experts - 1)]
+    return lookup, rows[binding.layer][unique.clamp(0, num_experts - 1)], host
+
+
+def _acquire_absent(binding: ExpertsBinding, unique: torch.Tensor, expert_ids: list[int], slots: list[int]
+                    ) -> SlotRows | None:
+    """Acquire only the experts neither tier holds, then find the others in the maps again under
+    a new resident step (the Acquire ended the one their slots were read under). Acquiring them
+    all would copy the host tier's up to VRAM, each copy pushing another object out of both tiers
+    (its VRAM victim demoted, a host entry evicted for it) to be read from disk later. None when
+    one of the others went absent meanwhile: the caller then acquires them all."""
+    absent = [e for e, s in zip(expert_ids, slots, strict=True) if s < 0]
+    acquired = acquire_rows(binding.source, binding.layer, absent)  # pinned until the next acquire
+    lookup = _open_resident_lookup(binding)
+    if lookup is None or lookup.host is None or acquired.arena.data_ptr() != lookup.arena.data_ptr():
+        return None
+    found = lookup.rows[binding.layer][unique.clamp(0, binding.plan.target.num_experts - 1)].tolist()
+    fetched = dict(zip(absent, acquired.index, strict=True))
+    merged = [fetched.get(e, s) for e, s in zip(expert_ids, found, strict=True)]
+    if min(merged) < 0:
+        return None
+    binding.absent_acquires += 1
+    return SlotRows(lookup.arena, lookup.stride, tuple(merged), lookup.host)
 
 
 def _complete_layer_forward(module, binding: ExpertsBinding, lookup, hidden_states, top_k_index, top_k_weights
@@ -181,9 +223,20 @@ def _complete_layer_forward(module, binding: ExpertsBinding, lookup, hidden_stat
     """A layer whose every expert was resident when the step opened: its slots come from the
     slot map on the device and nothing waits for the host (no routing transfer, no Acquire, no
     hint: the next layers' experts are resident too, or their own transfer sends it). None when
-    the layer's weights need the host's grouping (prefill of weights the GEMM cannot read)."""
-    layer_map = lookup.rows[binding.layer]  # int32 [E], every entry >= 0
+    the layer's weights need the host's grouping (prefill of weights the GEMM cannot read), or
+    some of its experts are in the host tier and this call may not read them in place."""
     tokens, top_k = top_k_index.shape
+    if _reads_host_tier(binding, top_k_index):  # int32 [E], every entry >= 0, host-tier slots included
+        layer_map = lookup.rows[binding.layer]
+        if tokens * top_k <= F.GROUPED_PAIRS:
+            return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, layer_map, lookup.arena,
+                          lookup.stride, host=lookup.host)
+        return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
+                                        top_k_weights, layer_map, lookup.arena, lookup.stride, host=lookup.host)
+    vram_rows, complete_vram = lookup.vram()
+    if binding.layer not in complete_vram:
+        return None
+    layer_map = vram_rows[binding.layer]  # int32 [E], every entry >= 0
     if tokens * top_k <= F.GROUPED_PAIRS:
         return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, layer_map, lookup.arena,
                       lookup.stride)
@@ -240,11 +293,12 @@ def _fused_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, 
     tokens, top_k = top_k_index.shape
     if tokens * top_k > F.GROUPED_PAIRS:
         return F.grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
-                                 pair_order, expert_counts, list(rows.index), rows.arena, rows.stride)
+                                 pair_order, expert_counts, list(rows.index), rows.arena, rows.stride, rows.host)
     index = torch.tensor(rows.index, dtype=torch.int32).to(device, non_blocking=True)  # [n] row of each expert
     lut = torch.full((binding.plan.target.num_experts,), -1, dtype=torch.int32, device=device)  # expert -> row
     lut[unique] = index
-    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lut, rows.arena, rows.stride)
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lut, rows.arena, rows.stride,
+                  host=rows.host)
 
 
 def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, pair_order,
@@ -263,19 +317,28 @@ def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index
 
 
 def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, slot_map, arena,
-           stride, misses: torch.Tensor | None = None) -> torch.Tensor:
+           stride, misses: torch.Tensor | None = None, host=None) -> torch.Tensor:
     if binding.fused is not None:
         return F.pair_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
-                              slot_map, arena, stride, misses)
+                              slot_map, arena, stride, misses, host=host)
+    assert host is None, "host-tier slots are read in place by the fused GEMV only"
     return F.gather_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, slot_map, arena,
                             stride, misses)
 
 
 def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     lookup = binding.lookup  # this layer's row of the slot map; absent experts counted in lookup.misses
+    vram_map = lookup.layer_map if lookup.vram_map is None else lookup.vram_map
     tokens, top_k = top_k_index.shape
-    if tokens * top_k > F.GROUPED_PAIRS and binding.fused is not None:  # a prefill captured whole
+    if _reads_host_tier(binding, top_k_index):
+        if tokens * top_k <= F.GROUPED_PAIRS:
+            return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lookup.layer_map, lookup.arena,
+                          lookup.stride, lookup.misses, host=lookup.host)
         return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
-                                        top_k_weights, lookup.layer_map, lookup.arena, lookup.stride, lookup.misses)
-    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lookup.layer_map, lookup.arena,
+                                        top_k_weights, lookup.layer_map, lookup.arena, lookup.stride, lookup.misses,
+                                        host=lookup.host)
+    if binding.fused is not None:  # a prefill captured whole
+        return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
+                                        top_k_weights, vram_map, lookup.arena, lookup.stride, lookup.misses)
+    return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, vram_map, lookup.arena,
                   lookup.stride, lookup.misses)

@@ -28,8 +28,8 @@ import torch
 
 from inference.experts.eager import expert_outputs
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
-from inference.kernels.ops import (GemmBlocks, GemvWeight, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine,
-                                  moe_gemm, moe_gemv)
+from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, device_gemm_blocks, gemm_blocks, gemv_weight,
+                                  moe_combine, moe_gemm, moe_gemv)
 
 GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
 
@@ -88,20 +88,25 @@ def _activate(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, gate_u
 
 def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
-                 arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None) -> torch.Tensor:
+                 arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None, *,
+                 host: HostSlots | None = None) -> torch.Tensor:
     """[T, H]: the experts' combined output; pair p = (token p // k, its p % k-th expert), the
     expert's object at row slot_map[expert] (int32 [E]; -1: absent, counted in `misses`) of
-    `arena` (rows of `stride` bytes). Four kernels when the module's activation is plain."""
+    `arena` (rows of `stride` bytes), or with `host` in the host tier (ids from host.first on;
+    plans without biases only). Four kernels when the module's activation is plain."""
     tokens, top_k = top_k_index.shape
     experts = top_k_index.reshape(-1)  # [P] int64, p = token * k + slot
-    parts = [moe_gemv(x, experts, slot_map, arena, stride, w, top_k=top_k, misses=misses if i == 0 else None)
+    parts = [moe_gemv(x, experts, slot_map, arena, stride, w, top_k=top_k, misses=misses if i == 0 else None,
+                      host=host)
              for i, w in enumerate(fused.up)]  # [P, rows_i]
     gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [P, 2I] (or [P, I])
     needs_rows = fused.up_biases or fused.down_bias is not None
+    assert host is None or not needs_rows, "biases are read from arena rows: no host-tier slots here"
     rows = _pair_rows(slot_map[experts], arena, stride) if needs_rows else None
     gate_up = _add_bias(gate_up, fused.up_biases, plan, rows)
     hidden = _activate(module, plan, fused, gate_up)  # [P, I]
-    down = moe_gemv(hidden, experts, slot_map, arena, stride, fused.down, top_k=top_k, x_per_pair=True)  # [P, H]
+    down = moe_gemv(hidden, experts, slot_map, arena, stride, fused.down, top_k=top_k, x_per_pair=True,
+                    host=host)  # [P, H]
     down = _add_bias(down, (fused.down_bias,) if fused.down_bias is not None else (), plan, rows)
     if getattr(module, "has_post_expert_norm", False):
         down = module.post_expert_norm(down)
@@ -134,7 +139,7 @@ def gather_forward(module: torch.nn.Module, plan: LayerPlan, x: torch.Tensor, to
 
 def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan | None, x: torch.Tensor, top_k: int,
                     pairs: torch.Tensor, counts: list[int], rows: list[int], arena: torch.Tensor,
-                    stride: int) -> torch.Tensor:
+                    stride: int, host: HostSlots | None = None) -> torch.Tensor:
     """[S, H]: the outputs of `pairs` (int64 [S] pair indices sorted by expert; `counts` pairs per
     distinct expert, whose objects are arena rows `rows`), in that order, before the routing
     weights. With a FusedPlan: one grouped GEMM per projection reading the slots in place, each
@@ -147,7 +152,8 @@ def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan |
             slots = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int32), torch.tensor(counts))
             return slots.to(x.device)
 
-        return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, blocks, pair_slots, arena, stride)
+        return _sorted_gemm_outputs(module, plan, fused, x, top_k, pairs, blocks, pair_slots, arena, stride, host)
+    assert host is None, "host-tier slots are read in place by the fused kernels only"
     count = arena.numel() // stride
     index = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)  # [n]
     objects = arena[: count * stride].view(count, stride).index_select(0, index)  # uint8 [n, stride]
@@ -158,11 +164,12 @@ def grouped_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan |
 
 def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor, top_k: int,
                          pairs: torch.Tensor, blocks: GemmBlocks, pair_slots, arena: torch.Tensor,
-                         stride: int) -> torch.Tensor:
+                         stride: int, host: HostSlots | None = None) -> torch.Tensor:
     """grouped_outputs' in-place GEMMs over `blocks` (on x's device); `pair_slots()` gives the
-    slot of each sorted pair, needed only for the small bias roles."""
+    slot of each sorted pair, needed only for the small bias roles (never with `host`)."""
     total = pairs.numel()
-    parts = [moe_gemm(x, pairs, blocks, arena, stride, w, pairs=total, top_k=top_k, gather_tokens=True)
+    assert host is None or not (fused.up_biases or fused.down_bias is not None), "biases come from arena rows"
+    parts = [moe_gemm(x, pairs, blocks, arena, stride, w, pairs=total, top_k=top_k, gather_tokens=True, host=host)
              for w in fused.up]  # [S, rows_i], sorted order
     gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [S, 2I] (or [S, I])
     object_rows = None
@@ -170,7 +177,8 @@ def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedP
         object_rows = _pair_rows(pair_slots(), arena, stride)
     gate_up = _add_bias(gate_up, fused.up_biases, plan, object_rows)
     hidden = _activate(module, plan, fused, gate_up).contiguous()  # [S, I]
-    down = moe_gemm(hidden, pairs, blocks, arena, stride, fused.down, pairs=total, top_k=top_k, gather_tokens=False)
+    down = moe_gemm(hidden, pairs, blocks, arena, stride, fused.down, pairs=total, top_k=top_k, gather_tokens=False,
+                    host=host)
     down = _add_bias(down, (fused.down_bias,) if fused.down_bias is not None else (), plan, object_rows)
     if getattr(module, "has_post_expert_norm", False):
         down = module.post_expert_norm(down)
@@ -179,7 +187,8 @@ def _sorted_gemm_outputs(module: torch.nn.Module, plan: LayerPlan, fused: FusedP
 
 def device_grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
-                           arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None) -> torch.Tensor:
+                           arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None, *,
+                           host: HostSlots | None = None) -> torch.Tensor:
     """grouped_forward for experts found at slot_map[expert] (int32 [E]): the sort, the block
     table and the GEMMs all stay on the device, so the layer needs no host synchronization (the
     block table is sized for any routing). A pair whose expert is absent (-1) is counted in
@@ -190,7 +199,7 @@ def device_grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: Fuse
         misses.add_((slot_map[sorted_experts] < 0).sum(dtype=torch.int32))
     blocks = device_gemm_blocks(sorted_experts, slot_map)
     out = _sorted_gemm_outputs(module, plan, fused, x, top_k, pair_order, blocks,
-                               lambda: slot_map[sorted_experts].clamp(min=0), arena, stride)  # [S, H] sorted order
+                               lambda: slot_map[sorted_experts].clamp(min=0), arena, stride, host)  # [S, H] sorted
     by_pair = torch.empty_like(out)
     by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
     return moe_combine(by_pair, top_k_weights, top_k_index)
@@ -198,11 +207,13 @@ def device_grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: Fuse
 
 def grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan | None, x: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, pair_order: torch.Tensor,
-                    counts: list[int], rows: list[int], arena: torch.Tensor, stride: int) -> torch.Tensor:
+                    counts: list[int], rows: list[int], arena: torch.Tensor, stride: int,
+                    host: HostSlots | None = None) -> torch.Tensor:
     """[T, H] for many tokens: the n distinct experts (arena rows `rows`, ascending expert id;
     `counts` their pair counts) computed over the pairs sorted by expert (`pair_order`, [T*k]
     pair indices), see grouped_outputs; then the combine."""
-    out = grouped_outputs(module, plan, fused, x, top_k_index.shape[1], pair_order, counts, rows, arena, stride)
+    out = grouped_outputs(module, plan, fused, x, top_k_index.shape[1], pair_order, counts, rows, arena, stride,
+                          host)
     by_pair = torch.empty_like(out)
     by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
     return moe_combine(by_pair, top_k_weights, top_k_index)

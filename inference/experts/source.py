@@ -44,6 +44,9 @@ class SlotRows:
     arena: torch.Tensor
     stride: int
     index: tuple[int, ...]
+    # inference.kernels.ops.HostSlots when some of `index` are host-tier slots (from host.first
+    # on), which only the fused GEMV reads (inference.experts.host_reads); None: all arena rows
+    host: object | None = None
 
     @property
     def row_count(self) -> int:

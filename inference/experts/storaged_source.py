@@ -37,7 +37,9 @@ from collections.abc import Sequence
 import torch
 
 from inference.experts.errors import ExpertLayoutError, ExpertsError
+from inference.experts.host_reads import HostReads
 from inference.experts.source import SlotRows, rows_of_objects, uniform_layout
+from inference.kernels.ops import HostSlots
 from packformat import RoleEntry
 from packformat.bundle import MANIFEST, Bundle
 from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StatusCode, StorageClient,
@@ -60,12 +62,26 @@ class ResidentLookup:
     """Where a layer's resident experts are: `rows[layer]`, int32 [E] on the compute device (the
     slot of each expert, -1 when absent), in `arena` (uint8) of `stride` bytes per slot;
     `complete`: the layers whose every expert was resident when the step opened (they stay so
-    until it finishes, so their experts need no look at the routing on the host)."""
+    until it finishes, so their experts need no look at the routing on the host).
+
+    With `host` (inference.experts.host_reads), `rows` also name host-tier slots (ids from
+    host.first on, for the fused GEMV only) and `complete` counts them; `vram_rows` and
+    `complete_vram` are the same of the slot map alone (for the grouped GEMM and the gather path).
+    """
 
     rows: dict[int, torch.Tensor]
     arena: torch.Tensor
     stride: int
     complete: frozenset[int] = frozenset()
+    vram_rows: dict[int, torch.Tensor] | None = None  # None: rows (no host tier read in place)
+    complete_vram: frozenset[int] | None = None  # None: complete
+    host: HostSlots | None = None
+
+    def vram(self) -> tuple[dict[int, torch.Tensor], frozenset[int]]:
+        """(rows, complete) of the slot map alone."""
+        if self.vram_rows is None:
+            return self.rows, self.complete
+        return self.vram_rows, self.complete_vram
 
 
 class ResidentStepRevokedError(Unavailable):
@@ -134,7 +150,8 @@ class StoragedExpertSource:
     """
 
     def __init__(self, socket_path: str, model_name: str, bundle: Bundle, device: torch.device | str, *,
-                 connect_timeout: float = 0.0, rpc_timeout: float = 60.0, probe_timeout: float = 1.0):
+                 connect_timeout: float = 0.0, rpc_timeout: float = 60.0, probe_timeout: float = 1.0,
+                 host_reads: bool = True):
         self.socket_path = str(socket_path)
         self.model_name = model_name
         self.bundle = bundle
@@ -143,6 +160,9 @@ class StoragedExpertSource:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rpc_timeout = rpc_timeout  # seconds for unary calls (Attach, Info, Detach)
         self.probe_timeout = probe_timeout  # seconds is_available may take
+        # read the daemon's host tier in place on CUDA (inference.experts.host_reads), when it shares one
+        self.host_reads = host_reads
+        self._host_reads: tuple[Session, HostReads | None] | None = None  # per session, built on first use
         self._layouts = {layer: uniform_layout(bundle, layer) for layer in bundle.pack.layers}
         self._state_lock = threading.Lock()  # client/session swaps vs is_available on other threads
         self._wait_lock = threading.Lock()
@@ -331,8 +351,8 @@ class StoragedExpertSource:
 
     def device_lookup(self):
         """(slot map [rows, experts] int32, row of each MoE layer, arena slots uint8, slot bytes,
-        step fence), or None when the daemon publishes no map, offers no data plane, or keeps its
-        arena on another device than the model's."""
+        step fence, HostReads or None), or None when the daemon publishes no map, offers no data
+        plane, or keeps its arena on another device than the model's."""
         session = self._session
         if session is None or session.fence is None:
             return None
@@ -340,7 +360,28 @@ class StoragedExpertSource:
         if slot_map is None or slot_map.device != self.device:
             return None
         rows = {layer: session.slot_map_view.row(layer) for layer in session.slot_map_view.layers}
-        return slot_map, rows, session.arena.slots(), session.slot_size, session.fence
+        arena = session.arena.slots()
+        return slot_map, rows, arena, session.slot_size, session.fence, self._host_reads_of(session, arena)
+
+    def _host_reads_of(self, session: Session, arena: torch.Tensor) -> HostReads | None:
+        """The session's HostReads (its host tier mapped and registered on first use), or None: off,
+        not on CUDA, or the daemon shares no host tier."""
+        cached = self._host_reads
+        if cached is not None and cached[0] is session:
+            return cached[1]
+        reads = None
+        host_map = session.host_map() if self.host_reads else None
+        if host_map is not None:
+            tier = session.host_tier()
+            if tier is not None:
+                # where the kernels find host slot 0: registered with the device on CUDA (read over
+                # the link), the mapping itself on the CPU (the fused kernels under triton's interpreter)
+                address = tier.device_address(self.device) if self.device.type == "cuda" else tier.slot_view(0).data_ptr()
+                reads = HostReads(host_map, HostSlots(session.slot_count, address - arena.data_ptr()))
+                log.info("storaged's host tier mapped to be read in place (%d slots of %d bytes)", tier.slot_count,
+                         tier.slot_bytes)
+        self._host_reads = (session, reads)
+        return reads
 
     def _acquire_slots(self, session: Session, layer: int, experts: Sequence[int], stream) -> list[int]:
         # The caller has synchronized the device: no queued work reads another layer's views.
@@ -377,16 +418,25 @@ class StoragedExpertSource:
         lookup = self.device_lookup() if session is not None else None
         if lookup is None:
             return None
-        slot_map, rows, arena, stride, fence = lookup
+        slot_map, rows, arena, stride, fence, host = lookup
         if fence.open or fence.revoked:
             return None
         fence.begin()
         self._resident_fence = fence
         # read after begin(): a slot seen here is not reused before the step finishes
-        resident = (slot_map >= 0).all(dim=1).tolist()  # [rows] one host sync per step
-        complete = frozenset(layer for layer, row in rows.items() if resident[row])
-        self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride,
-                                        complete)
+        if host is None:
+            resident = (slot_map >= 0).all(dim=1).tolist()  # [rows] one host sync per step
+            complete = frozenset(layer for layer, row in rows.items() if resident[row])
+            self._resident = ResidentLookup({layer: slot_map[row] for layer, row in rows.items()}, arena, stride,
+                                            complete)
+            return self._resident
+        merged = host.merge(slot_map)  # [rows, E] both tiers
+        resident, in_vram = torch.stack([(merged >= 0).all(dim=1), (slot_map >= 0).all(dim=1)]).tolist()  # one sync
+        self._resident = ResidentLookup(
+            {layer: merged[row] for layer, row in rows.items()}, arena, stride,
+            frozenset(layer for layer, row in rows.items() if resident[row]),
+            {layer: slot_map[row] for layer, row in rows.items()},
+            frozenset(layer for layer, row in rows.items() if in_vram[row]), host.slots)
         return self._resident
 
     def finish_resident_step(self) -> None:

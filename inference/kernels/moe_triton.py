@@ -45,7 +45,7 @@ def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl
 
 
 @triton.jit
-def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, slot_bytes,
+def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, slot_bytes, host_first, host_delta,
                     off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
                     QT: tl.constexpr, NB: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
                     WR: tl.constexpr, INTERP: tl.constexpr, TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr,
@@ -57,7 +57,9 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     of storaged's slot map, or a table of just-acquired slots). Rows n < n_split start at byte
     off1 + n * row_bytes of the object, the others at off2 + (n - n_split) * row_bytes. A negative
     slot (the expert is not resident) is counted in miss_ptr (COUNT_MISSES) and reads slot 0
-    instead: the result is garbage, and the caller, who sees the count, discards it.
+    instead: the result is garbage, and the caller, who sees the count, discards it. A slot
+    >= host_first is host tier slot (slot - host_first), read in place over the link at byte
+    host_delta + (slot - host_first) * slot_bytes from the arena's start (host_delta may be < 0).
     """
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
@@ -66,13 +68,14 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     if COUNT_MISSES:
         tl.atomic_add(miss_ptr, 1, mask=(slot < 0) & (tl.program_id(1) == 0))
     slot = tl.maximum(slot, 0).to(tl.int64)
+    base = tl.where(slot >= host_first, host_delta + (slot - host_first) * slot_bytes, slot * slot_bytes)  # bytes
     if X_PER_PAIR:
         token = p
     else:
         token = p // TOP_K
     n64 = n.to(tl.int64)
     row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
-    row = (arena_ptr + slot * slot_bytes + row_offset)[:, None]  # [BN, 1] uint8 ptrs
+    row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     x_row = x_ptr + token * x_stride
     rmask = nmask[:, None]
     # products accumulate as a tile; one reduction after the loop, not one per step
@@ -121,8 +124,8 @@ def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.con
 
 
 @triton.jit
-def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_bytes, off1, off2, n_split, row_bytes,
-                    nblk, out_ptr, out_stride, N,
+def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_bytes, host_first, host_delta,
+                    off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
                     QT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr,
                     SPLIT: tl.constexpr, PARTS: tl.constexpr):
@@ -134,7 +137,8 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     p's token (the up projection reading hidden states), else s itself (down, reading the
     activation in sorted order). The weight tile of each step is dequantized once for all of the
     block's pairs (tensor-core dot); rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
-    SPLIT: each step dequantized in PARTS parts (ops.GEMM_PARTS[QT]) rather than whole.
+    SPLIT: each step dequantized in PARTS parts (ops.GEMM_PARTS[QT]) rather than whole. A slot >=
+    host_first is a host tier slot, read in place as in moe_gemv_kernel.
     """
     b = tl.program_id(0)
     count = tl.load(blocks_ptr + 3 * b + 2)
@@ -153,7 +157,8 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     nmask = n < N
     n64 = n.to(tl.int64)
     row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
-    row = (arena_ptr + slot * slot_bytes + row_offset)[:, None]  # [BN, 1] uint8 ptrs
+    base = tl.where(slot >= host_first, host_delta + (slot - host_first) * slot_bytes, slot * slot_bytes)  # bytes
+    row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     rmask = nmask[:, None]
     x_base = x_ptr + x_rows[:, None] * x_stride  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

@@ -171,13 +171,15 @@ def _interpreted() -> bool:
 
 def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, top_k: int, x_per_pair: bool = False, misses: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None, tuning: tuple[int, int] | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, tuning: tuple[int, int] | None = None,
+             host: HostSlots | None = None) -> torch.Tensor:
     """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair).
 
     experts: int64 [P], top_k_index flattened (pair p = token p // top_k); slot_map: int32 [E],
     the slot of each expert (-1: not resident, its row is garbage, and it is counted in
-    `misses`, int32 [1], when given); x: [rows of x, cols] in the model dtype (unit stride along
-    cols); arena: uint8 [slot_count * slot_bytes (+ anything after)].
+    `misses`, int32 [1], when given; with `host`, a slot >= host.first is a host tier slot, read
+    in place); x: [rows of x, cols] in the model dtype (unit stride along cols); arena: uint8
+    [slot_count * slot_bytes (+ anything after)].
     """
     module = triton_module()
     assert module is not None, "moe_gemv without triton: check fused_unavailable_reason first"
@@ -194,9 +196,10 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
     else:
         block_n, warps = GEMV_TUNING.get(weight.element_type, (GEMV_BLOCK_N, GEMV_WARPS))
     grid = (pairs, -(-weight.rows // block_n))
+    host = host or NO_HOST
     module.moe_gemv_kernel[grid](
         x, x.stride(0), experts, slot_map, misses if misses is not None else slot_map, arena, slot_bytes,
-        weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
+        host.first, host.delta, weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
         out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=block_n,
         WR=ROUNDING[out_dtype], INTERP=_interpreted(), TOP_K=top_k, X_PER_PAIR=x_per_pair,
@@ -204,6 +207,23 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlots:
+    """How the GEMV finds objects the host tier holds, read in place over the link: slot ids >=
+    `first` (the arena's slot count) name host slot (id - first), whose bytes are at device
+    address (arena's address + delta + host slot * slot bytes); delta may be negative."""
+
+    first: int
+    delta: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first < 2**31:
+            raise ValueError(f"host slot ids start at {self.first}, outside (0, 2^31)")
+
+
+NO_HOST = HostSlots(2**31 - 1, 0)  # no slot id reaches it: every slot is an arena slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,12 +281,14 @@ def device_gemm_blocks(sorted_experts: torch.Tensor, slot_map: torch.Tensor, blo
 
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, pairs: int, top_k: int, gather_tokens: bool,
-             tuning: tuple[int, int] | None = None, split: bool | None = None) -> torch.Tensor:
+             tuning: tuple[int, int] | None = None, split: bool | None = None,
+             host: HostSlots | None = None) -> torch.Tensor:
     """[pairs, rows] in expert-sorted order: row s is W(s's expert) · x[order[s] // top_k] when
     gather_tokens (x: hidden states [T, cols]), else W · x[s] (x: [pairs, cols], sorted order).
 
     order: int64 [pairs], pair indices sorted by expert; blocks: `gemm_blocks` of the same sort,
-    on x's device; each block's weight tiles are dequantized once for all of its pairs.
+    on x's device; each block's weight tiles are dequantized once for all of its pairs. With
+    `host`, a block's slot >= host.first is a host tier slot, read in place (once per block).
     """
     module = triton_module()
     assert module is not None, "moe_gemm without triton: check fused_unavailable_reason first"
@@ -276,8 +298,9 @@ def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: to
         return out
     block_n, warps = tuning or GEMM_TUNING
     grid = (blocks.table.shape[0], -(-weight.rows // block_n))
+    host = host or NO_HOST
     module.moe_gemm_kernel[grid](
-        x, x.stride(0), order, blocks.table, arena, slot_bytes, weight.first_offset, weight.second_offset, weight.split,
+        x, x.stride(0), order, blocks.table, arena, slot_bytes, host.first, host.delta, weight.first_offset, weight.second_offset, weight.split,
         weight.row_bytes, weight.blocks_per_row, out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
         TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(),

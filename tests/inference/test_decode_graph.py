@@ -154,6 +154,42 @@ def test_a_request_whose_experts_are_all_resident_makes_no_acquire(qwen_case, ea
     assert stats.tiers["vram"].hits == hits, "the second request acquired experts it found resident"
 
 
+@pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
+def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager_tokens):
+    """VRAM holds one layer's experts, the host tier the rest: after a first request has put what
+    it routes to in one tier or the other, the same request again computes every layer from the
+    two maps (host-tier objects read in place, inference.experts.host_reads) with no Acquire at
+    all, every decode step through the slot-map path, and the same tokens."""
+    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as _probe:
+        info = _probe.info()
+        slot_bytes, experts = info.slot_bytes, info.models["m"].expert_count
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes=experts * slot_bytes,
+                            host_cache_bytes="64MiB")
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=64)
+            decoder = runner.decoder
+            first = _greedy(runner)
+            absent_acquires = sum(b.absent_acquires for b in decoder.bindings.values())
+            before, redone = daemon.stats(), decoder.redone_steps
+            lookups = decoder.lookup_steps
+            second = _greedy(runner)
+            after = daemon.stats()
+            read_in_place = decoder._host_reads is not None
+    finally:
+        daemon.stop()
+    assert first == eager_tokens and second == eager_tokens
+    assert before.demotions > 0, "the first request did not push experts down to the host tier"
+    # layers that met an expert in neither tier acquired only those, the others read in place
+    assert absent_acquires > 0
+    vram = (after.tiers["vram"].hits + after.tiers["vram"].misses) - (before.tiers["vram"].hits
+                                                                      + before.tiers["vram"].misses)
+    assert vram == 0, f"the second request made Acquires for {vram} experts"
+    assert decoder.redone_steps == redone and decoder.lookup_steps - lookups == TOKENS - 1
+    assert read_in_place
+
+
 LONG_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(40)]  # pads to 64 tokens: the grouped GEMM's size
 
 

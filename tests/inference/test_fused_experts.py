@@ -17,8 +17,8 @@ from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
 from inference.experts.storaged_source import ResidentLookup
-from inference.kernels.ops import (GEMV_TYPES, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine, moe_gemm,
-                                  moe_gemv)
+from inference.kernels.ops import (GEMV_TYPES, HostSlots, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine,
+                                  moe_gemm, moe_gemv)
 from inference.model import load_model
 from packformat import ElementType, Role, RoleEntry
 from packformat.constants import block_shape, tensor_nbytes
@@ -87,6 +87,66 @@ def test_gemv_equals_float64_dot_of_rounded_weights(element_type):
     assert got.dtype == torch.bfloat16 and got.shape == (5, 2 * rows)
     assert torch.all((got.float() - expected.float()).abs() <= ulp + spread), element_type.name
     assert (got == expected).float().mean() >= 0.95, element_type.name
+
+
+@pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.Q8_0, ElementType.BF16],
+                         ids=lambda t: t.name)
+def test_gemv_reads_host_tier_slots_in_place(element_type):
+    """Slot ids from HostSlots.first on are read from another allocation (storaged's host tier,
+    read over the link on CUDA) at the given byte distance: the rows equal, bit for bit, those of
+    the same objects in one arena."""
+    rng = np.random.default_rng(7)
+    rows, cols = 16, 256
+    arena, slot_bytes, nbytes, second = _arena(element_type, (rows, cols), 5, rng)
+    weight = gemv_weight([RoleEntry(Role.GATE, int(element_type), 0, nbytes, (rows, cols)),
+                          RoleEntry(Role.UP, int(element_type), second, nbytes, (rows, cols))], rows=2 * rows, cols=cols)
+    vram = arena[:3 * slot_bytes].clone().to(DEVICE)  # slots 0..2 "in VRAM", an allocation of their own
+    host = arena[3 * slot_bytes:].clone()  # slots 3, 4 in a host allocation of their own
+    if DEVICE == "cuda":
+        host = host.pin_memory()  # page-locked and mapped: the device reads it at its host address
+    delta = host.data_ptr() - vram.data_ptr()  # bytes from the arena to host slot 0, either sign
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    experts = torch.tensor([0, 3, 1, 4], dtype=torch.int64, device=DEVICE)  # top_k 2
+    both = torch.tensor([2, 0, 1, 4, 3], dtype=torch.int32, device=DEVICE)  # expert -> slot of the whole arena
+    split = torch.tensor([2, 0, 1, 3 + 1, 3 + 0], dtype=torch.int32, device=DEVICE)  # experts 3, 4: host slots 1, 0
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    expected = moe_gemv(x, experts, both, arena.to(DEVICE), slot_bytes, weight, top_k=2)
+    got = moe_gemv(x, experts, split, vram, slot_bytes, weight, top_k=2, misses=misses, host=HostSlots(3, delta))
+    assert int(misses.item()) == 0
+    assert torch.equal(got.cpu(), expected.cpu())
+    with pytest.raises(ValueError, match="host slot ids start"):
+        HostSlots(0, delta)
+
+
+def test_gemm_reads_host_tier_slots_in_place():
+    """The grouped GEMM (prefill) reads blocks whose slot is a host tier slot from there, bit for
+    bit as from one arena."""
+    element_type = ElementType.Q4_K
+    rng = np.random.default_rng(8)
+    rows, cols = 32, 256
+    arena, slot_bytes, nbytes, second = _arena(element_type, (rows, cols), 4, rng)
+    weight = gemv_weight([RoleEntry(Role.GATE, int(element_type), 0, nbytes, (rows, cols)),
+                          RoleEntry(Role.UP, int(element_type), second, nbytes, (rows, cols))], rows=2 * rows, cols=cols)
+    vram = arena[:2 * slot_bytes].clone().to(DEVICE)
+    host = arena[2 * slot_bytes:].clone()
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    host_slots = HostSlots(2, host.data_ptr() - vram.data_ptr())
+    tokens, top_k = 12, 2
+    index = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:top_k] for t in range(tokens)])
+    sorted_experts, order = torch.sort(index.reshape(-1), stable=True)
+    ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEVICE)
+    order = order.to(DEVICE)
+
+    def run(slot_of: dict[int, int], arena_tensor, host_arg):
+        blocks = gemm_blocks([slot_of[e] for e in ids.tolist()], counts.tolist(), 4).to(DEVICE)
+        return moe_gemm(x, order, blocks, arena_tensor, slot_bytes, weight, pairs=tokens * top_k, top_k=top_k,
+                        gather_tokens=True, host=host_arg).cpu()
+
+    expected = run({0: 0, 1: 1, 2: 2, 3: 3}, arena.to(DEVICE), None)
+    got = run({0: 0, 1: 1, 2: 2 + 0, 3: 2 + 1}, vram, host_slots)  # experts 2, 3: host slots 0, 1
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("roles, rows, cols, why", [

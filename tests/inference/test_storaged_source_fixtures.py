@@ -91,10 +91,12 @@ class StoragedDaemon:
     sun_path; stop() removes it. kill() then start() restarts it on the same socket.
     """
 
-    def __init__(self, models: dict[str, Path], *, vram_cache_bytes: int | str = "64MiB", device: str = "cpu"):
+    def __init__(self, models: dict[str, Path], *, vram_cache_bytes: int | str = "64MiB", device: str = "cpu",
+                 host_cache_bytes: int | str = 0):
         self.directory = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
         self.models = models
         self.vram_cache_bytes = vram_cache_bytes
+        self.host_cache_bytes = host_cache_bytes
         self.device = device
         self.socket = self.directory / "sd.sock"
         self.process: subprocess.Popen | None = None
@@ -102,7 +104,8 @@ class StoragedDaemon:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "storaged", "--socket", str(self.socket), "--device", self.device,
-                   "--vram-cache-bytes", str(self.vram_cache_bytes), "--metrics-address", "off", "--no-direct-io",
+                   "--vram-cache-bytes", str(self.vram_cache_bytes), "--host-cache-bytes", str(self.host_cache_bytes),
+                   "--metrics-address", "off", "--no-direct-io",
                    *(arg for name, path in self.models.items() for arg in ("--model", f"{name}={path}"))]
         self.log = open(self.directory / "storaged.log", "a")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
