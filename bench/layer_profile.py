@@ -67,7 +67,7 @@ def classify(name: str) -> str:
 
 def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
            budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None,
-           lookahead_min_precision: float | None = None):
+           lookahead_min_precision: float | None = None, host_reads: bool = True):
     """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
@@ -91,7 +91,8 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     socket = str(daemon.socket_dir / "s.sock")
     governed = {} if lookahead_min_precision is None else {"lookahead_min_precision": lookahead_min_precision}
     loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead, **governed,
-                        expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
+                        expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev,
+                                                                               host_reads=host_reads))
     decoder = None
     if mode in ("storaged-graph", "storaged-graph-compiled"):
         decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
@@ -281,7 +282,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead, args.host_budget,
-                                                     args.lookahead_min_precision)
+                                                     args.lookahead_min_precision, not args.no_host_reads)
     policy = _hint_policy(built)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
@@ -332,6 +333,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "acquire_ms_per_token": 1e3 * waited / max(1, timing["decoded"] + 1),
               "warm_up_s": warm_up_s,  # graph captures (and compilation) included
               "budget": args.budget, "host_budget": args.host_budget, "lookahead": lookahead,
+              "host_reads": not args.no_host_reads,
               "lookahead_min_precision": policy.min_precision if policy is not None else None, "decode": args.decode,
               **traffic, **hints,
               **profiled, "prefill_profile": prefill_profile}
@@ -441,6 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sample: temperature 1, seed 1234 (random weights' greedy decoding revisits few experts)")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="time the experts GEMV's launch shapes first and use the fastest (bench/gemv_sweep.py)")
+    parser.add_argument("--no-host-reads", action="store_true",
+                        help="copy host-tier experts up to VRAM (an Acquire) instead of reading them in place")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:

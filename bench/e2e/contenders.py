@@ -9,6 +9,8 @@
                     the slot map
   storaged_no_lookahead  storaged as above without lookahead hints: what the hints cost or save in SSD
                     bytes and time
+  storaged_copy_up  storaged as above, but host-tier experts copied up to VRAM by an Acquire (the daemon's
+                    promotion) rather than read in place over the link (inference.experts.host_reads)
   storaged_serial   storaged with io_parallelism 1, no host tier, no lookahead, one acquire per layer:
                     the published SGLang design's serial miss path
   llamacpp          llama.cpp's llama-bench on the same GGUF, -ngl 99 plus --n-cpu-moe for the layers whose
@@ -31,12 +33,15 @@ from bench.e2e.prepare import PreparedModel
 if TYPE_CHECKING:
     from bench.storaged_runs import StoragedProcess
 
-CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_no_lookahead", "storaged_serial", "llamacpp")
+CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_no_lookahead", "storaged_copy_up",
+              "storaged_serial", "llamacpp")
 STORAGED_MODEL = "bench"
-IO_PARALLELISM = {"storaged": 16, "storaged_no_lookahead": 16, "storaged_serial": 1}
-HOST_TIER = {"storaged": True, "storaged_no_lookahead": True, "storaged_serial": False}  # host bytes = the VRAM budget's
-FAST_PATH = {"storaged": True, "storaged_no_lookahead": True, "storaged_serial": False}
-LOOKAHEAD = {"storaged": True, "storaged_no_lookahead": False, "storaged_serial": False}
+IO_PARALLELISM = {"storaged": 16, "storaged_no_lookahead": 16, "storaged_copy_up": 16, "storaged_serial": 1}
+# host bytes = the VRAM budget's
+HOST_TIER = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": True, "storaged_serial": False}
+FAST_PATH = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": True, "storaged_serial": False}
+LOOKAHEAD = {"storaged": True, "storaged_no_lookahead": False, "storaged_copy_up": True, "storaged_serial": False}
+HOST_READS = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": False, "storaged_serial": False}
 
 
 class ContenderSkipped(Exception):
@@ -152,7 +157,7 @@ def start_storaged(model: PreparedModel, fraction: float, device: torch.device, 
 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int, host_tier: bool, fast_path: bool, lookahead: bool,
+              *, io_parallelism: int, host_tier: bool, fast_path: bool, lookahead: bool, host_reads: bool,
               static_len: int, layer_floor: bool) -> BuiltContender:
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
@@ -163,7 +168,8 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
     try:
         socket = str(daemon.socket_dir / "s.sock")
         loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
-                            expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev))
+                            expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev,
+                                                                                   host_reads=host_reads))
     except BaseException:
         daemon.stop(check=False)
         raise
@@ -180,6 +186,9 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
                         f"eager ({why_not(loaded.model, loaded.expert_source, device)})"))
     else:
         notes.append("no lookahead, eager decode with one acquire per layer (the serial design)")
+    if host_bytes:
+        notes.append("host-tier experts read in place by the GEMV" if host_reads else
+                     "host-tier experts copied up to VRAM by an Acquire")
 
     def cache_stats() -> tuple[int, int]:
         vram = daemon.client.stats().tiers["vram"]
@@ -197,7 +206,7 @@ def build_contender(name: str, model: PreparedModel, fraction: float, device: to
     if name in IO_PARALLELISM:
         return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
                          host_tier=HOST_TIER[name], fast_path=FAST_PATH[name], lookahead=LOOKAHEAD[name],
-                         static_len=static_len, layer_floor=layer_floor)
+                         host_reads=HOST_READS[name], static_len=static_len, layer_floor=layer_floor)
     if name == "llamacpp":
         raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}
