@@ -44,6 +44,7 @@ from packformat import RoleEntry
 from packformat.bundle import MANIFEST, Bundle
 from storaged.client import (CapacityExhausted, ClientClosed, NotFound, Session, StatusCode, StorageClient,
                              StorageError, Unavailable)
+from storaged.device.errors import ArenaError
 
 log = logging.getLogger(__name__)
 
@@ -365,21 +366,28 @@ class StoragedExpertSource:
 
     def _host_reads_of(self, session: Session, arena: torch.Tensor) -> HostReads | None:
         """The session's HostReads (its host tier mapped and registered on first use), or None: off,
-        not on CUDA, or the daemon shares no host tier."""
+        the daemon shares no host tier, or it cannot be mapped here (logged once: the host tier's
+        experts are then copied up by the daemon, as without host_reads)."""
         cached = self._host_reads
         if cached is not None and cached[0] is session:
             return cached[1]
         reads = None
         host_map = session.host_map() if self.host_reads else None
         if host_map is not None:
-            tier = session.host_tier()
-            if tier is not None:
-                # where the kernels find host slot 0: registered with the device on CUDA (read over
-                # the link), the mapping itself on the CPU (the fused kernels under triton's interpreter)
-                address = tier.device_address(self.device) if self.device.type == "cuda" else tier.slot_view(0).data_ptr()
-                reads = HostReads(host_map, HostSlots(session.slot_count, address - arena.data_ptr()))
-                log.info("storaged's host tier mapped to be read in place (%d slots of %d bytes)", tier.slot_count,
-                         tier.slot_bytes)
+            try:
+                tier = session.host_tier()
+                if tier is not None:
+                    # where the kernels find host slot 0: registered with the device on CUDA (read
+                    # over the link), the mapping itself on the CPU (the fused kernels under
+                    # triton's interpreter)
+                    address = (tier.device_address(self.device) if self.device.type == "cuda"
+                               else tier.slot_view(0).data_ptr())
+                    reads = HostReads(host_map, HostSlots(session.slot_count, address - arena.data_ptr()))
+                    log.info("storaged's host tier mapped to be read in place (%d slots of %d bytes)",
+                             tier.slot_count, tier.slot_bytes)
+            except (StorageError, ArenaError) as exc:  # ArenaError: mapping, or CUDA registration
+                log.warning("storaged's host tier cannot be read in place here (%s); its experts are copied up "
+                            "to VRAM by Acquires instead", exc)
         self._host_reads = (session, reads)
         return reads
 
