@@ -34,7 +34,7 @@ import dataclasses
 import torch
 
 from inference.experts import fused as F
-from inference.experts.host_reads import host_tier_pairs
+from inference.experts.host_reads import absent_only, host_tier_pairs
 from inference.experts.eager import expert_outputs
 from inference.experts.errors import ExpertSourceError, RoutingError, UnboundExpertsError
 from inference.experts.plan import LayerPlan
@@ -113,6 +113,8 @@ def expertpack_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     sorted_experts, pair_order = torch.sort(pair_experts, stable=True)  # pairs grouped by expert
     unique, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     hint = binding.predict.predict(hidden_states) if binding.predict is not None else None
+    if hint is not None and lookup is not None and lookup.host is not None:
+        hint = absent_only(hint, lookup.rows.get(binding.predict.next_layer))
     plan = binding.plan
     resident = _resident_slots(lookup, binding, unique, plan.target.num_experts,
                                _reads_host_tier(binding, top_k_index))

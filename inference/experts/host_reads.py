@@ -60,3 +60,13 @@ class HostReads:
         if out is None:
             return torch.where(slot_map >= 0, slot_map, host)
         return torch.where(slot_map >= 0, slot_map, host, out=out)
+
+
+def absent_only(hint: torch.Tensor, merged_row: torch.Tensor | None) -> torch.Tensor:
+    """int32 [E]: the lookahead's hint mask less the experts either tier holds (merged_row: the
+    next layer's row of the merged map, or None: unchanged). A hint for a host-tier expert would
+    have the daemon copy it up, pushing another object out of both tiers, for an expert the
+    kernels read in place anyway. Device work only."""
+    if merged_row is None:
+        return hint
+    return hint * (merged_row < 0).to(hint.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.experts.host_reads import HostReads
+from inference.experts.host_reads import HostReads, absent_only
 from inference.kernels.ops import HostSlots
 
 FIRST = 10  # the arena's slot count: host slot h is id FIRST + h
@@ -41,3 +41,14 @@ def test_merge_reads_the_maps_as_they_are_now():
 def test_host_slot_ids_must_fit_int32_above_the_arena(first):
     with pytest.raises(ValueError, match="host slot ids start"):
         HostSlots(first, 0)
+
+
+@pytest.mark.parametrize("hint, merged, kept", [
+    ([1, 1, 1, 0], [-1, 3, FIRST + 1, -1], [1, 0, 0, 0]),  # only the expert in neither tier is hinted
+    ([0, 1], [-1, -1], [0, 1]),
+    ([1, 1], [0, FIRST], [0, 0]),
+])
+def test_hints_name_only_experts_in_neither_tier(hint, merged, kept):
+    got = absent_only(torch.tensor(hint, dtype=torch.int32), torch.tensor(merged, dtype=torch.int32))
+    assert got.dtype == torch.int32 and got.tolist() == kept
+    assert absent_only(torch.tensor(hint, dtype=torch.int32), None).tolist() == hint
