@@ -187,7 +187,7 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
     else:
         notes.append("no lookahead, eager decode with one acquire per layer (the serial design)")
     if host_bytes:
-        notes.append("host-tier experts read in place by the GEMV" if host_reads else
+        notes.append("host-tier experts read in place by the fused kernels" if host_reads else
                      "host-tier experts copied up to VRAM by an Acquire")
 
     def cache_stats() -> tuple[int, int]:
