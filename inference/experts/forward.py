@@ -339,7 +339,7 @@ def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index,
         return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
                                         top_k_weights, lookup.layer_map, lookup.arena, lookup.stride, lookup.misses,
                                         host=lookup.host)
-    if binding.fused is not None:  # a prefill captured whole
+    if tokens * top_k > F.GROUPED_PAIRS and binding.fused is not None:  # a prefill captured whole
         return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
                                         top_k_weights, vram_map, lookup.arena, lookup.stride, lookup.misses)
     return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, vram_map, lookup.arena,
