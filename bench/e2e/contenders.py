@@ -53,7 +53,8 @@ class BuiltContender:
     model: torch.nn.Module
     reader_pids: list  # processes whose /proc/<pid>/io read_bytes are the contender's disk reads
     notes: list[str]
-    cache_stats: Callable[[], tuple[int, int] | None] = lambda: None  # (hits, misses) so far
+    # objects read from the pack so far (storaged's reads, prefetches included); None: not counted
+    pack_reads: Callable[[], int | None] = lambda: None
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     decoder: object | None = None  # a StaticDecoder that decodes instead of the model's KV cache loop
     # host RAM the contender allocated as its own expert cache (storaged's host tier): part of its
@@ -190,11 +191,11 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
         notes.append("host-tier experts read in place by the fused kernels" if host_reads else
                      "host-tier experts copied up to VRAM by an Acquire")
 
-    def cache_stats() -> tuple[int, int]:
-        vram = daemon.client.stats().tiers["vram"]
-        return vram.hits, vram.misses
+    # Not the VRAM tier's hit counter: experts read in place from either tier make no lookup at all.
+    def pack_reads() -> int:
+        return daemon.client.stats().reads
 
-    return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, cache_stats=cache_stats,
+    return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, pack_reads=pack_reads,
                           closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes,
                           decoder=decoder)
 

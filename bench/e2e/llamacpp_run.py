@@ -251,13 +251,13 @@ def _figures(result: dict, plan: LlamaBenchPlan, bench: LlamaBenchProcess, statu
     elif status != 0 and not stopped:
         notes.append(f"llama-bench exited with status {status} after its tests")
     notes.append(f"llama-bench decodes from an empty context (its tg test), the others after the {plan.prompt_len}-"
-                 "token prompt; hit rate: n/a (no cache statistics for this contender)")
+                 "token prompt; experts from memory: n/a (no pack read counter for this contender)")
     return result | {
         "prefill_tok_s": tests[prompt].avg_ts, "decode_tok_s": decode_test.avg_ts, "tokens": decode_test.n_gen,
         "prompt_len": plan.prompt_len,
         "ssd_bytes_per_token": None if measured is None else measured / decode_test.n_gen,
         "ssd_bytes_source": source, "decode_reads": decode_reads, "prefill_reads": bench.test_reads(prompt),
-        "warm_up_reads": bench.warm_up_reads, "load_reads": bench.load_reads, "hit_rate": None,
+        "warm_up_reads": bench.warm_up_reads, "load_reads": bench.load_reads, "from_memory": None,
         "llamacpp": {
             "command": plan.command(), "n_cpu_moe": plan.n_cpu_moe, "moe_layers_in_vram": plan.layers_in_vram,
             "moe_layers": plan.moe_layers, "layer_expert_bytes": plan.layer_expert_bytes, "threads": plan.threads,

@@ -130,6 +130,8 @@ def run(args: argparse.Namespace, results: dict) -> None:
                         "no contender keeps more than the budget of experts in host RAM"),
         "every budget is a cold start: page cache dropped, fresh daemon / model; one untimed 2-token forward warms "
         "kernels first",
+        "experts from memory: 1 - objects storaged read from the pack while decoding ÷ routed experts (tokens × "
+        "MoE layers × top-k), whichever tier served the rest (VRAM, or host RAM read in place or copied up)",
     ]
     if "llamacpp" in args.contenders:
         binary = llama_bench_path()

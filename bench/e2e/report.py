@@ -45,7 +45,7 @@ def markdown(results: dict) -> str:
                      f"GB of experts{'; ' + shape['note'] if shape.get('note') else ''}")
     if e2e.get("runs"):
         lines += ["", "## End to end", "",
-                  "| shape | contender | VRAM budget | prefill tok/s | decode tok/s | tokens | hit rate | "
+                  "| shape | contender | VRAM budget | prefill tok/s | decode tok/s | tokens | experts from memory | "
                   "SSD MB/token | I/O efficiency | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
         for run in e2e["runs"]:
             status = run.get("skipped") and f"skipped: {run['skipped']}" or run.get("error") and \
@@ -53,7 +53,7 @@ def markdown(results: dict) -> str:
             notes = "; ".join(([status] if status else []) + run.get("notes", []))
             lines.append(f"| {run['shape']} | {run['contender']} | {run['budget_fraction']:.0%} | "
                          f"{_number(run.get('prefill_tok_s'))} | {_number(run.get('decode_tok_s'))} | "
-                         f"{_number(run.get('tokens'))} | {_number(run.get('hit_rate'), 3)} | "
+                         f"{_number(run.get('tokens'))} | {_number(run.get('from_memory'), 3)} | "
                          f"{_megabytes(run.get('ssd_bytes_per_token'))} | {_number(run.get('io_efficiency'), 3)} | "
                          f"{notes.replace('|', '/')} |")
     lines += ratio_lines(e2e.get("runs", []))

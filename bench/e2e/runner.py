@@ -60,12 +60,12 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         if cgroup is not None:
             tighten_ram_limit(cgroup, budget, built.host_cache_bytes, result)
         counter.start()  # prefill reads are counted separately from decode's
-        before = built.cache_stats()
+        before = built.pack_reads()
         marks = {}
 
         def on_decode_start() -> None:
             marks["prefill"] = counter.stop()
-            marks["stats"] = built.cache_stats()
+            marks["reads"] = built.pack_reads()
             counter.start()
 
         run = timed_generation(built.model, device, vocab_size=vocab, prompt_len=spec["prompt_len"],
@@ -74,7 +74,7 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         if "static_steps_redone" in run:
             result["static_steps_redone"] = run["static_steps_redone"]
         synchronize(device)
-        decode_reads, after = counter.stop(), built.cache_stats()
+        decode_reads, after = counter.stop(), built.pack_reads()
     finally:
         built.close()
     decoded = run["decoded"]
@@ -87,16 +87,18 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
                   ssd_bytes_per_token=None if measured is None else measured / decoded,
                   ssd_bytes_source=None if measured is None else source,
                   decode_reads=decode_reads, prefill_reads=marks.get("prefill"), token_ids=run["token_ids"],
-                  hit_rate=None)
+                  from_memory=None)
     if measured is None:
         notes.append("SSD bytes not measurable here: neither /proc/<pid>/io nor the block device stats")
     if decoded < spec["tokens"]:
         notes.append(f"stopped after {decoded} of {spec['tokens']} tokens by its time budget")
-    if after is not None and marks.get("stats") is not None:
-        hits, misses = after[0] - marks["stats"][0], after[1] - marks["stats"][1]
-        result.update(hit_rate=hits / max(1, hits + misses), decode_hits=hits, decode_misses=misses)
+    if after is not None and marks.get("reads") is not None:
+        # every routed (layer, expert) of a decoded token is a distinct expert of its layer's top-k
+        routed = decoded * model.moe_layers * model.shape.top_k
+        reads = after - marks["reads"]
+        result.update(from_memory=max(0.0, 1 - reads / max(1, routed)), decode_pack_reads=reads, decode_routed=routed)
     elif before is None:
-        notes.append("hit rate: n/a (no cache statistics for this contender)")
+        notes.append("experts from memory: n/a (no pack read counter for this contender)")
     if cgroup is not None:
         result["ram_peak_bytes"] = cgroup.peak_bytes()
     return result

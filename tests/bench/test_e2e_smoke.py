@@ -55,7 +55,7 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
             assert len(run["token_ids"]) == run["tokens"] + 1
         assert run["ssd_bytes_per_token"] is None or run["ssd_bytes_per_token"] >= 0
         if run["contender"].startswith("storaged"):
-            assert 0 <= run["hit_rate"] <= 1 and run["decode_hits"] + run["decode_misses"] > 0
+            assert 0 <= run["from_memory"] <= 1 and run["decode_routed"] > 0
     by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if "token_ids" in r}
     for shape in TINY_SHAPES.values():  # same weights, same greedy tokens (float32 on CPU)
         reference = by_key[(shape.name, "gguf_mmap", 1.0)]["token_ids"]
