@@ -7,9 +7,12 @@
 #       slow contenders, stated per run).
 # When the llamacpp contender is selected (the default), bench/llamacpp/build.sh starts right after (1),
 # in the background at nice 19 (RUN_ALL_LLAMACPP_JOBS jobs, default 8 of the cores): it reuses a carried
-# .llamacpp/bin or .llamacpp/pack, else builds .llamacpp/llama.cpp-src.tar.gz (~4 minutes on 16 cores;
+# .llamacpp/bin or .llamacpp/pack, else builds .llamacpp/llama.cpp-src.tar.gz (~5 minutes on 16 cores;
 # the first contenders run meanwhile, and bench/e2e waits for it before the llamacpp contender).
-# RUN_ALL_LLAMACPP_OUT=dir also writes the binaries there, compressed and split, to carry them next time.
+# Runs timed while it compiles are marked (a note per run and a warning: the compilers slow the
+# disk-bound budgets by 10-30%), so figures meant for docs/benchmarks.md come from a call that
+# carries the binaries: RUN_ALL_LLAMACPP_OUT=dir writes them there, compressed and split, for
+# .llamacpp/pack next time.
 # A missing or failed llama-bench is an error of the run (RUN_ALL_REQUIRE_LLAMACPP=0: a skipped contender).
 # Writes $OUT/results.json and $OUT/results.md (plus logs). Exit status non-zero if a step failed.
 #

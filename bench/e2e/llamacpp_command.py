@@ -71,6 +71,12 @@ def wait_for_build(deadline: float, poll_seconds: float = 1.0) -> str | None:
     return build_status_problem()
 
 
+def build_in_progress() -> bool:
+    """Whether the background build bench/run_all.sh started is still compiling (its status file absent)."""
+    status_path = os.environ.get(BUILD_STATUS_ENV)
+    return bool(status_path) and not Path(status_path).exists()
+
+
 def build_status_problem() -> str | None:
     """Why the background build failed (its status file holds a non-zero exit status), or None."""
     status_path = os.environ.get(BUILD_STATUS_ENV)

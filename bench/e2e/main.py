@@ -173,6 +173,12 @@ def run(args: argparse.Namespace, results: dict) -> None:
                                              torch_threads=args.torch_threads, layer_floor=args.layer_floor,
                                              sample_seed=SAMPLE_SEED if args.decode == "sample" else None)
                 results["e2e"]["runs"] += runs
+                disturbed = [f"{run['budget_fraction']:.0%}" for run in runs if run.get("timed_during_build")]
+                if disturbed:
+                    results["warnings"].append(
+                        f"{shape.name} {contender} at {', '.join(disturbed)}: timed while llama.cpp compiled in the "
+                        "background (CPU contention); carry its binaries (RUN_ALL_LLAMACPP_OUT, then .llamacpp/pack) "
+                        "to time every contender without it")
                 results["errors"] += [f"{r['shape']} {r['contender']} {r['budget_fraction']:.0%}: {r['error']}"
                                       for r in runs if "error" in r]
                 write_results(results, args.out)

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.e2e.llamacpp_command import (BIN_ENV, BUILD_STATUS_ENV, DEFAULT_BIN, LlamaBenchOutputError,  # noqa: E402
-                                        LlamaBenchPlan, binary_summary, llama_bench_path, moe_layers_in_vram,
-                                        parse_output, wait_for_build)
+                                        LlamaBenchPlan, binary_summary, build_in_progress, llama_bench_path,
+                                        moe_layers_in_vram, parse_output, wait_for_build)
 from bench.e2e.llamacpp_run import binary_problem  # noqa: E402
 from bench.e2e.report import markdown  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES  # noqa: E402
@@ -217,3 +217,15 @@ def test_report_prints_storaged_over_llamacpp_decode_and_prefill():
     assert "| S | 50% |" not in section
     decode_table = text.split("## Decode speed ratios")[1].split("###")[0]
     assert "÷ llamacpp" in decode_table and "| S | 10% | – | – | – | 2.00× | – |" in decode_table
+
+
+def test_build_in_progress_while_the_status_file_is_absent(tmp_path, monkeypatch):
+    monkeypatch.delenv(BUILD_STATUS_ENV, raising=False)
+    assert not build_in_progress()  # no background build at all
+    status = tmp_path / "llamacpp-build.status"
+    monkeypatch.setenv(BUILD_STATUS_ENV, str(status))
+    assert build_in_progress()
+    status.write_text("0\n")
+    assert not build_in_progress()
+    status.write_text("1\n")  # ended, failed: no longer taking the cores
+    assert not build_in_progress()
