@@ -9,10 +9,10 @@
 # in the background at nice 19 (RUN_ALL_LLAMACPP_JOBS jobs, default 8 of the cores): it reuses a carried
 # .llamacpp/bin or .llamacpp/pack, else builds .llamacpp/llama.cpp-src.tar.gz (~5 minutes on 16 cores;
 # the first contenders run meanwhile, and bench/e2e waits for it before the llamacpp contender).
-# Runs timed while it compiles are marked (a note per run and a warning: the compilers slow the
-# disk-bound budgets by 10-30%), so figures meant for docs/benchmarks.md come from a call that
-# carries the binaries: RUN_ALL_LLAMACPP_OUT=dir writes them there, compressed and split, for
-# .llamacpp/pack next time.
+# bench/e2e pauses the build (SIGSTOP to its session) while it times a contender, since compilers
+# slowed the disk-bound budgets by 10-30%; the build then ends later, so carrying the binaries is
+# still the better way: RUN_ALL_LLAMACPP_OUT=dir writes them there, compressed and split, for
+# .llamacpp/pack next time. A run timed while the build compiled anyway is marked (note, warning).
 # A missing or failed llama-bench is an error of the run (RUN_ALL_REQUIRE_LLAMACPP=0: a skipped contender).
 # Writes $OUT/results.json and $OUT/results.md (plus logs). Exit status non-zero if a step failed.
 #
@@ -52,15 +52,17 @@ e2e_args=" ${RUN_ALL_E2E_ARGS:-} "
 if [[ "$e2e_args" != *" --contenders "* || "$e2e_args" == *" llamacpp "* ]]; then
     mkdir -p "$WORKDIR/runs"
     export EXPERTPACK_LLAMACPP_BUILD_STATUS="$WORKDIR/runs/llamacpp-build.status"
-    rm -f "$EXPERTPACK_LLAMACPP_BUILD_STATUS"
+    export EXPERTPACK_LLAMACPP_BUILD_SESSION="$WORKDIR/runs/llamacpp-build.session"
+    rm -f "$EXPERTPACK_LLAMACPP_BUILD_STATUS" "$EXPERTPACK_LLAMACPP_BUILD_SESSION"
     export EXPERTPACK_REQUIRE_LLAMACPP=${RUN_ALL_REQUIRE_LLAMACPP:-1}
     llamacpp_args=()
     [[ "$DEVICE" == cpu ]] && llamacpp_args+=(--cpu)
     [[ -n "${RUN_ALL_LLAMACPP_OUT:-}" ]] && llamacpp_args+=(--out "$RUN_ALL_LLAMACPP_OUT")
-    # its own session (so the compilers can be stopped with it); the status file appears only once
+    # its own session (so the compilers can be stopped with it, and bench/e2e can pause them while
+    # it times a contender: the session id is written first); the status file appears only once
     # build.sh has ended: bench/e2e waits for it
-    S="$EXPERTPACK_LLAMACPP_BUILD_STATUS" setsid bash -c \
-        'bench/llamacpp/build.sh "$@" > /dev/null 2>&1; echo $? > "$S.partial"; mv "$S.partial" "$S"' \
+    S="$EXPERTPACK_LLAMACPP_BUILD_STATUS" P="$EXPERTPACK_LLAMACPP_BUILD_SESSION" setsid bash -c \
+        'echo $$ > "$P"; bench/llamacpp/build.sh "$@" > /dev/null 2>&1; echo $? > "$S.partial"; mv "$S.partial" "$S"' \
         build --nice 19 --jobs "${RUN_ALL_LLAMACPP_JOBS:-8}" --log "$WORKDIR/runs/llamacpp-build.log" \
         "${llamacpp_args[@]}" &
     llamacpp_build=$!

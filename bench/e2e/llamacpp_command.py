@@ -14,10 +14,13 @@ batch sizes at llama-bench's defaults, one thread per core, -r 1, JSON lines on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +30,9 @@ DEFAULT_BIN = REPO / ".llamacpp" / "bin" / "llama-bench"
 BUILD_INFO = "BUILD_INFO"  # written by bench/llamacpp/build.sh next to the binary
 # bench/run_all.sh builds in the background and writes build.sh's exit status to this file when done
 BUILD_STATUS_ENV = "EXPERTPACK_LLAMACPP_BUILD_STATUS"
+# a file holding the session id of that build (run_all.sh starts it with setsid): its processes
+# are paused while a contender is timed
+BUILD_SESSION_ENV = "EXPERTPACK_LLAMACPP_BUILD_SESSION"
 PROBE_TOKENS = 2  # a short decode test first: its figure stands when the full one cannot finish in time
 ALL_LAYERS = 99  # -ngl: more than any model here has
 
@@ -75,6 +81,60 @@ def build_in_progress() -> bool:
     """Whether the background build bench/run_all.sh started is still compiling (its status file absent)."""
     status_path = os.environ.get(BUILD_STATUS_ENV)
     return bool(status_path) and not Path(status_path).exists()
+
+
+def session_processes(session: int) -> list[int]:
+    """Pids of the live processes of `session` (the sixth field of /proc/<pid>/stat)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+        if int(fields[3]) == session:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _build_session() -> int | None:
+    path = os.environ.get(BUILD_SESSION_ENV)
+    try:
+        return int(Path(path).read_text()) if path else None
+    except (OSError, ValueError):  # not written yet, or torn: nothing to pause
+        return None
+
+
+@contextlib.contextmanager
+def build_paused() -> Iterator[bool]:
+    """Stops the background build's processes (SIGSTOP) for the block and continues them after, so
+    a timed run does not share the cores with compilers; yields whether a build was paused. ninja
+    gives each compiler a process group of its own, so the build is found by its session."""
+    session = _build_session()
+    if session is None or not build_in_progress():
+        yield False
+        return
+    stopped: list[int] = []
+    try:
+        for _ in range(3):  # a compiler ninja spawned while the others were being stopped
+            new = [pid for pid in session_processes(session) if pid not in stopped and pid != os.getpid()]
+            if not new:
+                break
+            for pid in new:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                except ProcessLookupError:
+                    pass
+        yield bool(stopped)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def build_status_problem() -> str | None:

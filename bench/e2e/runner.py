@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.e2e.measure import (CgroupUnavailable, MemoryCgroup, ReadCounter, block_device_stat, drop_page_cache,
                                setup_ram_limit_bytes, tighten_ram_limit)
-from bench.e2e.llamacpp_command import build_in_progress
+from bench.e2e.llamacpp_command import build_in_progress, build_paused
 from bench.e2e.prepare import PreparedModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,21 +64,25 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         before = built.pack_reads()
         marks = {}
 
-        building = build_in_progress()
 
         def on_decode_start() -> None:
             marks["prefill"] = counter.stop()
             marks["reads"] = built.pack_reads()
             counter.start()
 
-        run = timed_generation(built.model, device, vocab_size=vocab, prompt_len=spec["prompt_len"],
-                               tokens=spec["tokens"], deadline=deadline, on_decode_start=on_decode_start,
-                               sample_seed=spec.get("sample_seed"), min_seconds=share / 2, decoder=built.decoder)
+        with build_paused() as paused:  # llama.cpp's background build, if any, waits for the timed part
+            building = build_in_progress() and not paused
+            run = timed_generation(built.model, device, vocab_size=vocab, prompt_len=spec["prompt_len"],
+                                   tokens=spec["tokens"], deadline=deadline, on_decode_start=on_decode_start,
+                                   sample_seed=spec.get("sample_seed"), min_seconds=share / 2, decoder=built.decoder)
+            synchronize(device)
+            decode_reads, after = counter.stop(), built.pack_reads()
+            building = building or (build_in_progress() and not paused)
+        if paused:
+            result["build_paused"] = True
+            notes.append("llama.cpp's background build paused while timed")
         if "static_steps_redone" in run:
             result["static_steps_redone"] = run["static_steps_redone"]
-        synchronize(device)
-        decode_reads, after = counter.stop(), built.pack_reads()
-        building = building or build_in_progress()
     finally:
         built.close()
     decoded = run["decoded"]

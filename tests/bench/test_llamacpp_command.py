@@ -5,6 +5,9 @@ storaged ÷ llama.cpp ratios of the report."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,9 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.e2e.llamacpp_command import (BIN_ENV, BUILD_STATUS_ENV, DEFAULT_BIN, LlamaBenchOutputError,  # noqa: E402
-                                        LlamaBenchPlan, binary_summary, build_in_progress, llama_bench_path,
-                                        moe_layers_in_vram, parse_output, wait_for_build)
+from bench.e2e.llamacpp_command import (BIN_ENV, BUILD_SESSION_ENV, BUILD_STATUS_ENV, DEFAULT_BIN,  # noqa: E402
+                                        LlamaBenchOutputError, LlamaBenchPlan, binary_summary, build_in_progress,
+                                        build_paused, llama_bench_path, moe_layers_in_vram, parse_output,
+                                        session_processes, wait_for_build)
 from bench.e2e.llamacpp_run import binary_problem  # noqa: E402
 from bench.e2e.report import markdown  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES  # noqa: E402
@@ -229,3 +233,38 @@ def test_build_in_progress_while_the_status_file_is_absent(tmp_path, monkeypatch
     assert not build_in_progress()
     status.write_text("1\n")  # ended, failed: no longer taking the cores
     assert not build_in_progress()
+
+
+def _states(pids):
+    return {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids}
+
+
+def test_build_paused_stops_every_process_of_the_build_session_and_continues_them(tmp_path, monkeypatch):
+    session_file, status = tmp_path / "llamacpp-build.session", tmp_path / "llamacpp-build.status"
+    monkeypatch.setenv(BUILD_STATUS_ENV, str(status))
+    monkeypatch.setenv(BUILD_SESSION_ENV, str(session_file))
+    # a stand-in for build.sh: a session leader and children in process groups of their own, as ninja's
+    build = subprocess.Popen(["setsid", "bash", "-c", f'echo $$ > {session_file}; set -m; sleep 60 & sleep 60 & wait'])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (not session_file.exists() or
+                                              len(session_processes(int(session_file.read_text() or 0))) < 3):
+            time.sleep(0.05)
+        pids = session_processes(int(session_file.read_text()))
+        assert len(pids) == 3 and len({os.getpgid(pid) for pid in pids}) == 3
+        with build_paused() as paused:
+            assert paused
+            assert set(_states(pids).values()) == {"T"}
+        assert "T" not in _states(pids).values()
+        status.write_text("0\n")  # the build ended: nothing to pause
+        with build_paused() as paused:
+            assert not paused
+        monkeypatch.delenv(BUILD_SESSION_ENV)
+        status.unlink()
+        with build_paused() as paused:  # a build whose session is unknown is left running
+            assert not paused
+    finally:
+        os.killpg(build.pid, signal.SIGKILL) if build.poll() is None else None
+        for pid in session_processes(build.pid):
+            os.kill(pid, signal.SIGKILL)
+        build.wait()
