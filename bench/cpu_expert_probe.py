@@ -1,0 +1,201 @@
+"""How fast the CPU computes Q4_K experts from their quantized bytes, against its memory bandwidth.
+
+At a 50% budget a decode step reads half of its experts from the host tier, over the link, at
+~40 GB/s (bench/host_read_probe.py: the SMs pull at most ~50); the host's cores read the same
+memory at ~100 GB/s. Computing part of the host-tier experts on the CPU beside the GPU (llama.cpp's
+way) is worth what a CPU kernel reaches. This times bench/cpu_experts/q4k_gemv.c (built here with
+the system C compiler: -O3 -march=native -fopenmp), one token's experts of a layer of the
+Qwen3-like shape (gate+up [2I, H], down [H, I], Q4_K), rotating over `--experts` objects, per
+thread count, beside a plain sum over the same bytes (the memory's ceiling for those threads).
+
+    python bench/cpu_expert_probe.py --threads 1 2 4 8 16 --json out.json
+
+The kernel's output is checked against gguf-py's dequantization and a float64 product first
+(exit status 1 when it is off by more than float32 rounding), so a fast wrong kernel never
+reports a rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from packformat.constants import ElementType  # noqa: E402
+
+Q4_K = ElementType.Q4_K
+SOURCE = REPO / "bench" / "cpu_experts" / "q4k_gemv.c"
+BLOCK_WEIGHTS, BLOCK_BYTES = 256, 144  # Q4_K
+SHAPE = (2048, 768, 8)  # hidden, intermediate, top-k: the Qwen3-like bench shape
+TOLERANCE = 1e-4  # relative to the largest |output|: float32 sums of 2048 products, any order
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler, or the kernel did not build: the probe cannot run here."""
+
+
+def build_kernel(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
+    """Compiles q4k_gemv.c for `march` (native: AVX2 and FMA where the CPU has them, else the
+    portable loop) once per source and flags (cached by their hash) and loads it."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC"]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    library = cache_dir / f"q4k_gemv-{digest}.so"
+    if not library.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.partial")
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        partial.replace(library)
+    kernel = ctypes.CDLL(str(library))
+    kernel.q4k_gemv_many.restype = None
+    kernel.q4k_gemv_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    return kernel
+
+
+def _pointers(arrays) -> ctypes.Array:
+    return (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+
+
+def gemv_many(kernel: ctypes.CDLL, weights: list[np.ndarray], xs: list[np.ndarray], rows: int, cols: int,
+              threads: int, out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """y[m] = W_m · x[m] for Q4_K matrices W_m (uint8 [rows, cols / 256 * 144]) and float32 x[m] [cols]."""
+    assert cols % BLOCK_WEIGHTS == 0 and all(w.shape == (rows, cols // BLOCK_WEIGHTS * BLOCK_BYTES) for w in weights)
+    sums = [x.reshape(-1, 32).sum(axis=1, dtype=np.float32) for x in xs]  # [cols / 32]: shared by every row
+    out = out if out is not None else [np.empty(rows, dtype=np.float32) for _ in weights]
+    kernel.q4k_gemv_many(len(weights), _pointers(weights), _pointers(xs), _pointers(sums), _pointers(out),
+                         rows, cols, threads)
+    return out
+
+
+def check(kernel: ctypes.CDLL, rng: np.random.Generator, rows: int = 96, cols: int = 1024) -> float:
+    """Largest error of the kernel against gguf-py's dequantization and a float64 product, relative
+    to the largest |output|; raises AssertionError above TOLERANCE."""
+    from gguf import GGMLQuantizationType, quants
+
+    from packtools.quants.random_fill import random_blocks
+
+    weights = [random_blocks(Q4_K, (rows, cols), rng) for _ in range(3)]
+    xs = [rng.standard_normal(cols).astype(np.float32) for _ in weights]
+    worst = 0.0
+    for threads in (1, 3):
+        for w, x, y in zip(weights, xs, gemv_many(kernel, weights, xs, rows, cols, threads)):
+            dense = quants.dequantize(w, GGMLQuantizationType.Q4_K).astype(np.float64)  # [rows, cols]
+            reference = dense @ x.astype(np.float64)
+            worst = max(worst, float(np.abs(y - reference).max() / np.abs(reference).max()))
+    assert worst <= TOLERANCE, f"q4k_gemv is off by {worst:.2e} of the largest output (tolerance {TOLERANCE:.0e})"
+    return worst
+
+
+def _sum_gbps(data: np.ndarray, threads: int) -> float:
+    import torch
+
+    words = torch.from_numpy(data.view(np.int64))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        words.sum()
+        start = time.perf_counter()
+        for _ in range(3):
+            words.sum()
+        return data.nbytes * 3 / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seconds: float) -> dict:
+    hidden, inter, top_k = SHAPE
+    rng = np.random.default_rng(0)
+    from packtools.quants.random_fill import random_blocks
+
+    one_up = random_blocks(Q4_K, (2 * inter, hidden), rng)  # [2I, H / 256 * 144]
+    one_down = random_blocks(Q4_K, (hidden, inter), rng)  # [H, I / 256 * 144]
+    down_cols = inter
+    # every object its own copy: the rotation must come from memory, not from the caches
+    arena = np.concatenate([np.concatenate([one_up.reshape(-1), one_down.reshape(-1)]) for _ in range(experts)])
+    object_bytes = one_up.nbytes + one_down.nbytes
+    ups = [arena[e * object_bytes:e * object_bytes + one_up.nbytes].reshape(one_up.shape) for e in range(experts)]
+    downs = [arena[e * object_bytes + one_up.nbytes:(e + 1) * object_bytes].reshape(one_down.shape)
+             for e in range(experts)]
+    x = rng.standard_normal(hidden).astype(np.float32)
+    h = [rng.standard_normal(down_cols).astype(np.float32) for _ in range(top_k)]
+    up_out = [np.empty(2 * inter, dtype=np.float32) for _ in range(top_k)]
+    down_out = [np.empty(hidden, dtype=np.float32) for _ in range(top_k)]
+    rows = []
+    for threads in thread_counts:
+        calls, start, first = 0, time.perf_counter(), 0
+        while True:
+            chosen = [(first + j) % experts for j in range(top_k)]
+            gemv_many(kernel, [ups[e] for e in chosen], [x] * top_k, 2 * inter, hidden, threads, up_out)
+            gemv_many(kernel, [downs[e] for e in chosen], h, hidden, down_cols, threads, down_out)
+            calls, first = calls + 1, (first + top_k) % experts
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and calls >= 3:
+                break
+        us = elapsed / calls * 1e6
+        rows.append({"threads": threads, "us_per_layer": us, "gbps": top_k * object_bytes / us / 1e3,
+                     "memory_sum_gbps": _sum_gbps(arena, threads)})
+    return {"type": "Q4_K", "hidden": hidden, "intermediate": inter, "top_k": top_k, "object_bytes": object_bytes,
+            "experts": experts, "rows": rows}
+
+
+def report(result: dict) -> str:
+    lines = [f"Q4_K experts of {result['object_bytes'] / 1e6:.2f} MB (hidden {result['hidden']}, intermediate "
+             f"{result['intermediate']}), {result['top_k']} a layer, rotating over {result['experts']}; "
+             f"kernel off by at most {result['max_relative_error']:.1e} of the largest output"]
+    for r in result["rows"]:
+        lines.append(f"  {r['threads']:3d} threads: {r['us_per_layer']:9.1f} us a layer's experts, {r['gbps']:6.1f} GB/s "
+                     f"of weights | a plain sum over the same bytes {r['memory_sum_gbps']:6.1f} GB/s "
+                     f"({r['gbps'] / r['memory_sum_gbps']:.2f} of it)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="thread counts to time (default: 1, then powers of two up to the CPU count)")
+    parser.add_argument("--experts", type=int, default=64, help="distinct objects the calls rotate over")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per thread count")
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "expertpack-cpu-kernels")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    cpus = os.cpu_count() or 1
+    threads = args.threads or sorted({1, *[2 ** i for i in range(1, cpus.bit_length()) if 2 ** i <= cpus], cpus})
+    if any(t < 1 for t in threads) or args.experts < SHAPE[2] or args.seconds <= 0:
+        parser.error("--threads must be >= 1, --experts at least the top-k (8), --seconds > 0")
+    try:
+        kernel = build_kernel(args.cache_dir)
+    except KernelUnavailable as exc:
+        print(f"cpu_expert_probe: {exc}", file=sys.stderr)
+        return 2
+    try:
+        error = check(kernel, np.random.default_rng(1))
+    except AssertionError as exc:
+        print(f"cpu_expert_probe: {exc}", file=sys.stderr)
+        return 1
+    result = probe(kernel, args.experts, threads, args.seconds) | {"max_relative_error": error, "cpu_count": cpus}
+    print(report(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
