@@ -103,6 +103,9 @@ class StoragedConfig:
     io_parallelism: int = _flag("pack reads in flight", default=4)
     direct_io: bool = _flag("O_DIRECT pack reads (bypass the page cache)", default=True)
     verify_checksums: bool = _flag("crc32 of every object read, before its slot is published", default=True)
+    # A restarted daemon otherwise serves its first requests from the disk, expert by expert.
+    preload: bool = _flag("at start, fill the VRAM arena and then the host tier with each model's experts (its "
+                          "layers in turn, expert ids in order) at prefetch priority, while serving", default=False)
     # For a CUDA arena, which every client that maps it can write (server/hit_verify.py).
     verify_hits: float = _flag("share of cache hits re-checked against their checksum before they are served: "
                                "0 off, 1.0 every hit, between: a random sample", default=0.0, metavar="FRACTION")
@@ -153,7 +156,7 @@ class StoragedConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, value, "expected a positive integer")
-        for field in ("direct_io", "verify_checksums"):
+        for field in ("direct_io", "verify_checksums", "preload"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(field, getattr(self, field), "expected true or false")
         set_(self, "verify_hits", self._checked_verify_hits())

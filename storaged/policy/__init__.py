@@ -15,7 +15,8 @@ the pack on NVMe. `SlotMapLayout` places each object's entry in the arena's slot
 - `AcquirePlanner`: the Acquire transaction of a session (replace its pins on a layer, and on
   request drop its pins on the model's other layers; hits, single-flight waits, loads from host
   or pack; all-or-nothing on SlotsExhausted), Prefetch
-  (free or cold slots only, never pinned or loading ones), completion/abort, release/close, and
+  (free or cold slots only, never pinned or loading ones), Preload (fills free room at start,
+  demoting into free host slots, never dropping anything), completion/abort, release/close, and
   `reload(key)`: a resident object whose bytes failed verification is loaded again in its slot.
 - `PolicyStats`: counters and gauges for the Stats RPC and Prometheus.
 
@@ -28,7 +29,7 @@ from storaged.policy.errors import (DuplicateExpert, InvalidExpert, InvalidExper
 from storaged.policy.keys import ExpertKey, ModelLayout
 from storaged.policy.plan import (AcquirePlan, Demotion, Eviction, ExpertStep, PolicyStats,
                                   PrefetchPlan, SessionId, Source)
-from storaged.policy.planner import AcquirePlanner
+from storaged.policy.planner import AcquirePlanner, PreloadOutcome
 from storaged.policy.slot_cache import (EntryState, EntryView, Reservation, ResidentStats,
                                         SlotCache, TierCounters)
 from storaged.policy.slot_map import ABSENT, SlotMapLayout
@@ -38,6 +39,6 @@ __all__ = [
     "EntryState",
     "EntryView", "Eviction", "ExpertKey", "ExpertStep", "InvalidExpert", "InvalidLayer",
     "InvalidExpertRequest", "ModelLayout", "PolicyError", "PolicyStateError", "PolicyStats",
-    "PrefetchPlan", "Reservation", "ResidentStats", "SessionId", "SlotCache", "Source",
+    "PrefetchPlan", "PreloadOutcome", "Reservation", "ResidentStats", "SessionId", "SlotCache", "Source",
     "TierCounters", "TooManyExperts", "UnknownModel",
 ]

@@ -36,6 +36,15 @@ from storaged.policy.sessions import SessionPins
 from storaged.policy.slot_cache import EntryState, SlotCache
 
 
+class PreloadOutcome(enum.Enum):
+    """What AcquirePlanner.preload did with one expert."""
+
+    LOADED = "loaded"  # a load was planned
+    PRESENT = "present"  # a tier holds it, or is loading it
+    BUSY = "busy"  # no room until a load in flight completes
+    FULL = "full"  # neither tier has room
+
+
 class _HostUse(enum.Enum):
     NONE = "none"
     COPY = "copy"  # host entry pinned until its copy to VRAM is done, then freed (exclusive tiers)
@@ -185,6 +194,38 @@ class AcquirePlanner:
             loads.append(ExpertStep(key, reservation.slot, source, host_slot, after_demotion=after))
         return PrefetchPlan(model, layer, tuple(loads), tuple(evictions),
                             skipped=len(experts) - len(loads), demotions=tuple(demotions))
+
+    # ---- preload -------------------------------------------------------------------------------
+
+    def preload(self, model: int, layer: int, expert: int) -> tuple[PreloadOutcome, PrefetchPlan | None]:
+        """Fill room at start with (model, layer, expert), unless either tier holds it: into a free
+        VRAM slot, or into the slot of a VRAM entry demoted to a free host slot. Nothing is dropped
+        and no host entry is evicted, so every load adds an expert to what the tiers hold; a load
+        runs at prefetch priority (a demand joining it promotes it) and pins nothing.
+
+        → (LOADED, a plan of one load), (PRESENT, None), (BUSY, None): preloads in flight fill the
+        bound on speculative loads or every VRAM slot, try again once one completed; or
+        (FULL, None): neither tier has room left."""
+        self._validate(model, layer, (expert,), enforce_limit=False)
+        key = ExpertKey(model, layer, expert)
+        host = self.host
+        if key in self.vram or (host is not None and key in host):
+            return PreloadOutcome.PRESENT, None
+        if self._prefetch_in_flight >= self.max_prefetch_in_flight:
+            return PreloadOutcome.BUSY, None
+        if not self.vram.free_slot_count and (host is None or not host.free_slot_count):
+            return PreloadOutcome.FULL, None
+        reservation = self.vram.try_reserve(key)  # not counted as a prefetch hint: nobody asked
+        if reservation is None:  # every VRAM slot pinned or loading
+            return (PreloadOutcome.BUSY if self._prefetch_in_flight else PreloadOutcome.FULL), None
+        ((source, host_slot, after),) = self._plan_sources([key], speculative=True)
+        evictions: list[Eviction] = []
+        demotions: list[Demotion] = []
+        self._evict_vram(evictions, demotions, reservation)
+        assert all(e.tier == self.vram.tier for e in evictions), f"{key}: a preload evicted from the host tier"
+        step = ExpertStep(key, reservation.slot, source, host_slot, after_demotion=after)
+        return PreloadOutcome.LOADED, PrefetchPlan(model, layer, (step,), tuple(evictions), skipped=0,
+                                                   demotions=tuple(demotions))
 
     # ---- completion ----------------------------------------------------------------------------
 

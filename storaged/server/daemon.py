@@ -23,6 +23,7 @@ import signal
 import socket
 import stat
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -165,6 +166,20 @@ async def _close_idle_sessions_forever(sessions: SessionRegistry, engine: Storag
             unlogged, log_after = 0, loop.time() + STATUS_INTERVAL_SECONDS
 
 
+async def _preload(engine: StorageEngine, models: dict[str, ServedModel]) -> None:
+    started = time.perf_counter()
+    log.info("preload: reading experts of %s into the tiers while serving", ", ".join(models))
+    try:
+        report = await engine.preload(list(models.values()))
+    except Exception:  # a background task's error would otherwise go unseen; requests are unaffected
+        log.exception("preload: stopped by an error")
+        return
+    ended = {"full": "the tiers are full", "busy": "stopped: requests held every VRAM slot",
+             "": "every expert is cached"}[report.stopped]
+    log.info("preload: %d experts read in %.1f s%s; %s", report.loaded, time.perf_counter() - started,
+             f", {report.failed} failed (their read errors are logged)" if report.failed else "", ended)
+
+
 async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime: Runtime,
                  stop: asyncio.Event, notifier: Notifier) -> int:
     sessions = SessionRegistry(idle_seconds=config.session_idle_seconds,
@@ -207,6 +222,8 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
         background.append(asyncio.create_task(_close_idle_sessions_forever(sessions, runtime.engine),
                                               name="idle sessions"))
         log.info("%s%s", status(), _gate_description(gate))
+        if config.preload:
+            background.append(asyncio.create_task(_preload(runtime.engine, models), name="preload"))
         await stop.wait()
         log.info("stopping: draining for up to %.1f s", config.shutdown_grace_seconds)
         notifier.stopping(f"draining for up to {config.shutdown_grace_seconds:g} s")

@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from packformat.errors import ObjectChecksumError
@@ -45,13 +46,15 @@ from storaged.io.executor import ReadExecutor, ReadPriority
 from storaged.io.staging import StagingPool
 from storaged.metrics import StoragedMetrics
 from storaged.policy import (AcquirePlanner, Demotion, EntryState, Eviction, ExpertKey, ExpertStep,
-                             SlotMapLayout, SlotsExhausted, Source)
+                             PreloadOutcome, SlotMapLayout, SlotsExhausted, Source)
 from storaged.server.fences import FenceTable, Snapshot
 from storaged.server.hit_verify import HitVerifier
 from storaged.server.models import ServedModel
 from storaged.server.sessions import ServerSession
 
 NO_EVENT = -1  # ready_events value of a slot whose bytes are already complete
+PRELOAD_BUSY_POLL_SECONDS = 0.05
+PRELOAD_BUSY_POLLS = 200  # 10 s of every VRAM slot held by requests: the preload gives up
 
 
 class LoadError(Exception):
@@ -87,6 +90,23 @@ class _Reuse:
 
     snapshot: Snapshot
     demotion_issued: asyncio.Future | None = None  # → None once the copy out of the slot is issued
+
+
+@dataclass
+class PreloadReport:
+    """What StorageEngine.preload read: experts whose loads completed, and those that failed."""
+
+    loaded: int = 0
+    failed: int = 0
+    # why it ended before the last expert: "full" (neither tier has room), "busy" (requests held
+    # every VRAM slot for PRELOAD_BUSY_POLLS polls); "" when every expert was considered
+    stopped: str = ""
+
+    def count(self, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            self.failed += 1
+        else:
+            self.loaded += 1
 
 
 @dataclass(eq=False)
@@ -196,6 +216,47 @@ class StorageEngine:
         for step in plan.loads:
             self._start_load(step, session.model, ReadPriority.PREFETCH, reused.get(step.slot))
         return len(plan.loads)
+
+    async def preload(self, models: Sequence[ServedModel]) -> PreloadReport:
+        """Fill VRAM, then the host tier, with experts read from the packs, at prefetch priority
+        (a demand read goes first; an Acquire joining a preload promotes it), until neither tier
+        has room: every model's MoE layers in turn, expert ids in order, so each layer gets an
+        equal share. Failed loads are counted and skipped; requests are served meanwhile."""
+        order = [(model, layer, expert) for expert in range(max((m.expert_count for m in models), default=0))
+                 for model in models if expert < model.expert_count for layer in model.moe_layers]
+        report = PreloadReport()
+        in_flight: set[asyncio.Future] = set()
+        self.metrics.set("preloading", 1)
+        try:
+            for model, layer, expert in order:
+                polls = 0
+                while True:
+                    outcome, plan = self.planner.preload(model.model_id, layer, expert)
+                    if outcome is not PreloadOutcome.BUSY:
+                        break
+                    if in_flight:  # room comes back as one of its own loads completes
+                        _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    elif polls < PRELOAD_BUSY_POLLS:  # requests' loads or pins hold every VRAM slot
+                        polls += 1
+                        await asyncio.sleep(PRELOAD_BUSY_POLL_SECONDS)
+                    else:
+                        break
+                if outcome is not PreloadOutcome.LOADED and outcome is not PreloadOutcome.PRESENT:
+                    report.stopped = outcome.value
+                    break
+                if plan is None:  # PRESENT
+                    continue
+                reused = self._retire(plan.evictions, plan.demotions)
+                for step in plan.loads:
+                    load = self._start_load(step, model, ReadPriority.PREFETCH, reused.get(step.slot))
+                    load.done.add_done_callback(report.count)
+                    in_flight.add(load.done)
+                    self.metrics.add("preload_loads_total")
+            if in_flight:
+                await asyncio.wait(in_flight)
+        finally:
+            self.metrics.set("preloading", 0)
+        return report
 
     def release(self, session: ServerSession, layer: int | None) -> int:
         """Unpin the session's slots on `layer` (InvalidLayer unless a MoE layer), or all of them."""

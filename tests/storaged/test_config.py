@@ -44,7 +44,7 @@ def test_defaults(tmp_path):
     ("device", "gpu"), ("device", "cuda"), ("device", "cuda:x"), ("device", 0),
     ("vram_cache_bytes", "lots"), ("vram_cache_bytes", 0), ("host_cache_bytes", "-3GiB"),
     ("staging_buffers", 0), ("io_parallelism", -2), ("io_parallelism", True), ("max_ids_per_acquire", "8"),
-    ("direct_io", "yes"), ("verify_checksums", 1), ("metrics_address", "9464"),
+    ("direct_io", "yes"), ("verify_checksums", 1), ("preload", "on"), ("metrics_address", "9464"),
     ("metrics_address", "localhost:99999"), ("metrics_address", 9464), ("shutdown_grace_seconds", -1),
     ("allowed_uids", "1000"), ("allowed_gids", [-1]), ("socket", ""), ("models", {}),
     ("allowed_uids", []), ("allowed_gids", ()),  # an empty allow-list would admit nobody
@@ -192,7 +192,7 @@ def test_the_flags_are_the_config_fields():
     generated = {flag_name(field) for field, _, _ in flag_fields()}
     assert _FLAGS <= generated and generated <= options
     assert options - generated == {"--help", "--version", "--config", "--model"} | {
-        "--no-" + name.removeprefix("--") for name in ("--direct-io", "--verify-checksums")}
+        "--no-" + name.removeprefix("--") for name in ("--direct-io", "--verify-checksums", "--preload")}
     # the fields that are no flag: models has --model, the peer allow-lists are TOML only
     assert {f.name for f in dataclasses.fields(StoragedConfig)} - {f.name for f, _, _ in flag_fields()} == {
         "models", "allowed_uids", "allowed_gids"}
@@ -202,11 +202,12 @@ def _every_flag(tmp_path) -> tuple[list[str], dict]:
     """A command line setting every generated flag to a value other than its default, and the values."""
     given = {"socket": (str(tmp_path / "a.sock"), tmp_path / "a.sock"), "vram_cache_bytes": ("3MiB", 3 << 20),
              "host_cache_bytes": ("1KiB", 1024), "staging_buffers": ("3", 3), "io_parallelism": ("5", 5),
-             "direct_io": (None, False), "verify_checksums": (None, True), "verify_hits": ("0.25", 0.25),
+             "direct_io": (None, False), "verify_checksums": (None, True), "preload": (None, True),
+             "verify_hits": ("0.25", 0.25),
              "metrics_address": ("127.0.0.1:9999", "127.0.0.1:9999"), "device": ("cuda:2", "cuda:2"),
              "shutdown_grace_seconds": ("1.5", 1.5), "fence_timeout_seconds": ("0.5", 0.5),
              "max_ids_per_acquire": ("7", 7), "session_idle_seconds": ("9", 9.0), "max_sessions_per_peer": ("3", 3)}
-    argv = ["--model", "m=/x", "--no-direct-io", "--verify-checksums"]
+    argv = ["--model", "m=/x", "--no-direct-io", "--verify-checksums", "--preload"]
     for name, (text, _) in given.items():
         if text is not None:
             argv += ["--" + name.replace("_", "-"), text]

@@ -14,7 +14,7 @@ from storaged.metrics import (ACQUIRE_SECONDS_BUCKETS, PREFIX, READ_SECONDS_BUCK
 EXPECTED_FAMILIES = {
     "hits_total", "misses_total", "evictions_total", "read_bytes_total", "h2d_bytes_total", "read_seconds",
     "acquire_seconds", "acquire_phase_seconds_total", "resident_experts", "resident_bytes", "io_errors_total", "checksum_failures_total",
-    "prefetch_issued_total", "prefetch_used_total", "prefetch_wasted_total", "sessions", "demotions_total",
+    "prefetch_issued_total", "prefetch_used_total", "prefetch_wasted_total", "preload_loads_total", "preloading", "sessions", "demotions_total",
     "d2h_bytes_total", "fence_waits_total", "fence_wait_seconds_total", "fence_revocations_total",
     "dataplane_requests_total", "hits_verified_total", "hit_mismatches_total",
     "sessions_idle_closed_total", "sessions_refused_total",

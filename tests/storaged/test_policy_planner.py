@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from storaged.policy import (AcquirePlanner, DuplicateExpert, EntryState, ExpertKey, InvalidExpert, InvalidLayer,
-                             ModelLayout, PolicyStateError, SlotCache, SlotsExhausted, Source, TooManyExperts,
-                             UnknownModel)
+                             ModelLayout, PolicyStateError, PreloadOutcome, SlotCache, SlotsExhausted, Source,
+                             TooManyExperts, UnknownModel)
 
 MODEL = 0
 LAYOUTS = {
@@ -344,3 +344,75 @@ def test_prefetch_leaves_room_for_one_layers_whole_demand():
     plan = p.prefetch(MODEL, 1, [0, 1, 2, 3, 4, 5])
     assert len(plan.loads) == 2 and plan.skipped == 4
     assert len(p.acquire("a", MODEL, 0, [0, 1, 2, 3]).loads) == 4
+
+
+# ---- preload ---------------------------------------------------------------------------------
+
+def preload_all(p: AcquirePlanner, keys: list[ExpertKey], *, complete: bool = True) -> list:
+    """Preload `keys` in order, finishing each load and demotion at once; → the outcomes."""
+    outcomes = []
+    for k in keys:
+        outcome, plan = p.preload(k.model, k.layer, k.expert)
+        outcomes.append(outcome)
+        if plan is not None and complete:
+            assert [step.source for step in plan.loads] == [Source.PACK]
+            for demotion in plan.demotions:
+                p.demoted(demotion.key)
+            p.complete(k)
+    return outcomes
+
+
+ROUND_ROBIN = [key(expert, layer) for expert in range(8) for layer in range(4)]  # each layer its share
+
+
+@pytest.mark.parametrize("vram_slots, host_slots", [(4, 3), (4, 0), (2, 9), (1, 1)])
+def test_preload_fills_vram_then_the_host_tier_and_drops_nothing(vram_slots, host_slots):
+    p = planner(vram_slots, host_slots, max_prefetch_in_flight=64)
+    outcomes = preload_all(p, ROUND_ROBIN)
+    loaded = vram_slots + host_slots
+    assert outcomes == [PreloadOutcome.LOADED] * loaded + [PreloadOutcome.FULL] * (len(ROUND_ROBIN) - loaded)
+    held = {k for k, _ in p.vram.views()} | ({k for k, _ in p.host.views()} if p.host else set())
+    assert held == set(ROUND_ROBIN[:loaded])  # exclusive tiers, each key once, none lost
+    stats = p.stats()
+    assert (stats.vram_resident_entries, stats.host_resident_entries) == (vram_slots, host_slots)
+    assert (stats.host_evictions, stats.demotions, stats.prefetch_issued) == (0, host_slots, 0)
+    assert preload_all(p, ROUND_ROBIN[:1]) == [PreloadOutcome.PRESENT]
+
+
+def test_preload_waits_at_the_bound_on_speculative_loads():
+    p = planner(4, 2, max_prefetch_in_flight=2)
+    assert preload_all(p, ROUND_ROBIN[:3], complete=False) == [PreloadOutcome.LOADED] * 2 + [PreloadOutcome.BUSY]
+    p.complete(ROUND_ROBIN[0])
+    assert preload_all(p, ROUND_ROBIN[2:3]) == [PreloadOutcome.LOADED]
+
+
+def test_preload_takes_no_pinned_slot_and_waits_for_its_own_loads():
+    p = planner(2, 3, max_prefetch_in_flight=8)
+    acquire_loaded(p, "a", 0, [0, 1])  # every VRAM slot pinned: nothing to demote
+    assert preload_all(p, [key(2)]) == [PreloadOutcome.FULL]
+    p.release("a")
+    assert preload_all(p, [key(2), key(3)], complete=False) == [PreloadOutcome.LOADED] * 2
+    # both VRAM slots LOADING, a host slot free: no VRAM slot until one of the loads completes
+    assert preload_all(p, [key(4)], complete=False) == [PreloadOutcome.BUSY]
+    p.complete(key(2))
+    assert preload_all(p, [key(4)], complete=False) == [PreloadOutcome.LOADED]
+
+
+def test_a_demand_joining_a_preload_promotes_it():
+    p = planner(4, 0, max_prefetch_in_flight=8)
+    _, plan = p.preload(MODEL, 0, 5)
+    step = p.acquire("a", MODEL, 0, [5]).steps[0]
+    assert (step.source, step.slot, step.promote) == (Source.WAIT, plan.loads[0].slot, True)
+    p.complete(key(5))
+    assert p.stats().prefetch_in_flight == 0
+
+
+@pytest.mark.parametrize("model, layer, expert, error", [
+    (9, 0, 1, UnknownModel), (MODEL, 4, 1, InvalidLayer), (MODEL, 0, 8, InvalidExpert), (MODEL, 0, -1, InvalidExpert),
+])
+def test_preload_of_an_invalid_expert_is_typed_and_changes_nothing(model, layer, expert, error):
+    p = planner(4, 2)
+    before = state_of(p)
+    with pytest.raises(error):
+        p.preload(model, layer, expert)
+    assert state_of(p) == before
