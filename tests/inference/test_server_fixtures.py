@@ -202,6 +202,18 @@ def access_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if " inference.access: " in line or '"logger": "inference.access"' in line]
 
 
+def settled_access_count(lines: list[str], quiet: float = 0.3, timeout: float = 10.0) -> int:
+    """How many access lines a server has written once none arrived for `quiet` seconds: an earlier
+    test's last lines may still be on their way to the reader thread."""
+    count, since, deadline = len(access_lines(lines)), time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(access_lines(lines))
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 _SERIES = re.compile(r'^(\w+)(?:\{(.*)\})?$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 

@@ -14,7 +14,8 @@ import openai
 import pytest
 from notify_testkit import NotifyReceiver
 from test_engine_fixtures import tiny_bundle
-from test_server_fixtures import ServerProcess, access_lines, get, metric, openai_client, request_with_headers
+from test_server_fixtures import (ServerProcess, access_lines, get, metric, openai_client, request_with_headers,
+                                  settled_access_count)
 
 from inference.cli import main as inference_main
 
@@ -100,7 +101,7 @@ def test_cors_preflight_and_response_headers(server):
 
 
 def test_one_json_access_line_per_request(server):
-    before = len(access_lines(server.lines))
+    before = settled_access_count(server.lines)
     completion = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "user": "bob"}
     calls = [("POST", "/v1/completions", completion, KEYS["flag"]),
              ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, KEYS["flag"]),
