@@ -260,7 +260,7 @@ class Run:
     def shape(self, key: str, deadline: float) -> None:
         import torch
 
-        from bench.e2e.contenders import IO_PARALLELISM, start_storaged
+        from bench.e2e.contenders import STORAGED_VARIANTS, start_storaged
         from bench.e2e.prepare import prepare_model, remove_model
 
         args = self.args
@@ -273,7 +273,7 @@ class Run:
         self.write()
         try:
             daemon, host_bytes, notes = start_storaged(model, args.budget, torch.device(args.device), args.workdir,
-                                                       io_parallelism=IO_PARALLELISM["storaged"],
+                                                       io_parallelism=STORAGED_VARIANTS["storaged"].io_parallelism,
                                                        host_tier=args.host_tier, layer_floor=args.layer_floor)
             try:
                 objects = model.moe_layers * shape.experts

@@ -1,4 +1,4 @@
-"""The six contenders, each built for one VRAM budget inside the benchmark's child process:
+"""The contenders, each built for one VRAM budget inside the benchmark's child process:
   resident          the model fully resident in transformers (experts dequantized to the run dtype once,
                     computed by transformers' own experts forward)
   accelerate        HF accelerate disk offload: from_pretrained(device_map, max_memory, offload_folder)
@@ -7,6 +7,8 @@
                     budget, inside the same RAM limit as every contender) through StoragedExpertSource:
                     fused kernels, lookahead prefetch (top-k), decode steps as CUDA graphs reading
                     the slot map
+  storaged_preload  storaged as above started with --preload (both tiers filled at start, while it serves),
+                    timed once the preload ended: the first request after an operator's restart
   storaged_no_lookahead  storaged as above without lookahead hints: what the hints cost or save in SSD
                     bytes and time
   storaged_copy_up  storaged as above, but host-tier experts copied up to VRAM by an Acquire (the daemon's
@@ -22,6 +24,7 @@ count, cache statistics, and what to close)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,15 +36,31 @@ from bench.e2e.prepare import PreparedModel
 if TYPE_CHECKING:
     from bench.storaged_runs import StoragedProcess
 
-CONTENDERS = ("resident", "accelerate", "gguf_mmap", "storaged", "storaged_no_lookahead", "storaged_copy_up",
-              "storaged_serial", "llamacpp")
 STORAGED_MODEL = "bench"
-IO_PARALLELISM = {"storaged": 16, "storaged_no_lookahead": 16, "storaged_copy_up": 16, "storaged_serial": 1}
-# host bytes = the VRAM budget's
-HOST_TIER = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": True, "storaged_serial": False}
-FAST_PATH = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": True, "storaged_serial": False}
-LOOKAHEAD = {"storaged": True, "storaged_no_lookahead": False, "storaged_copy_up": True, "storaged_serial": False}
-HOST_READS = {"storaged": True, "storaged_no_lookahead": True, "storaged_copy_up": False, "storaged_serial": False}
+PRELOAD_WAIT_SECONDS = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoragedVariant:
+    """How one storaged contender is configured."""
+
+    io_parallelism: int = 16
+    host_tier: bool = True  # host bytes = the VRAM budget's
+    fast_path: bool = True  # decode steps as CUDA graphs reading the slot map (else eager, an Acquire a layer)
+    lookahead: bool = True  # top-k hints for the next layer
+    host_reads: bool = True  # host-tier experts read in place (else copied up by an Acquire)
+    preload: bool = False  # the daemon fills its tiers at start; timed once that ended
+
+
+STORAGED_VARIANTS = {
+    "storaged": StoragedVariant(),
+    "storaged_preload": StoragedVariant(preload=True),
+    "storaged_no_lookahead": StoragedVariant(lookahead=False),
+    "storaged_copy_up": StoragedVariant(host_reads=False),
+    "storaged_serial": StoragedVariant(io_parallelism=1, host_tier=False, fast_path=False, lookahead=False,
+                                       host_reads=False),
+}
+CONTENDERS = ("resident", "accelerate", "gguf_mmap", *STORAGED_VARIANTS, "llamacpp")
 
 
 class ContenderSkipped(Exception):
@@ -60,6 +79,9 @@ class BuiltContender:
     # host RAM the contender allocated as its own expert cache (storaged's host tier): part of its
     # RAM budget already, so the page cache gets only the rest of the budget
     host_cache_bytes: int = 0
+    # runs after the warm-up, before the timed request (storaged_preload: waits for the preload to
+    # end); → a note for the run, or None
+    before_timing: Callable[[], str | None] = lambda: None
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -130,8 +152,8 @@ def _gguf_mmap(model: PreparedModel, fraction: float, device: torch.device, dtyp
 
 
 def start_storaged(model: PreparedModel, fraction: float, device: torch.device, workdir: Path, *,
-                   io_parallelism: int, host_tier: bool,
-                   layer_floor: bool = False) -> tuple[StoragedProcess, int, list[str]]:
+                   io_parallelism: int, host_tier: bool, layer_floor: bool = False,
+                   preload: bool = False) -> tuple[StoragedProcess, int, list[str]]:
     """storaged serving `model` as STORAGED_MODEL with an arena of `fraction` of its experts' slots;
     returns (the StoragedProcess, its host tier's bytes, notes). With `layer_floor` the arena is
     raised to one layer's experts where the budget is below that (a prefill then pins a layer's
@@ -152,20 +174,22 @@ def start_storaged(model: PreparedModel, fraction: float, device: torch.device, 
     daemon_device = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
     daemon = StoragedProcess(model.bundle_dir, model=STORAGED_MODEL, device=daemon_device,
                              vram_bytes=max(budget, floor), io_parallelism=io_parallelism, host_bytes=host_bytes,
-                             staging_buffers=max(io_parallelism, 2),
-                             log_path=workdir / f"storaged-{io_parallelism}-{fraction}.log")
+                             staging_buffers=max(io_parallelism, 2), extra_args=("--preload",) if preload else (),
+                             log_path=workdir / f"storaged-{io_parallelism}{'-preload' if preload else ''}-{fraction}.log")
+    if preload:
+        notes.append("tiers preloaded at start (--preload)")
     return daemon, host_bytes, notes
 
 
 def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype, workdir: Path,
-              *, io_parallelism: int, host_tier: bool, fast_path: bool, lookahead: bool, host_reads: bool,
-              static_len: int, layer_floor: bool) -> BuiltContender:
+              variant: StoragedVariant, *, static_len: int, layer_floor: bool) -> BuiltContender:
     from inference.experts.storaged_source import StoragedExpertSource
     from inference.model import load_model
 
-    daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=io_parallelism,
-                                               host_tier=host_tier, layer_floor=layer_floor)
-    lookahead = model.shape.top_k if lookahead else 0
+    daemon, host_bytes, notes = start_storaged(model, fraction, device, workdir, io_parallelism=variant.io_parallelism,
+                                               host_tier=variant.host_tier, layer_floor=layer_floor,
+                                               preload=variant.preload)
+    host_reads, lookahead = variant.host_reads, model.shape.top_k if variant.lookahead else 0
     try:
         socket = str(daemon.socket_dir / "s.sock")
         loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
@@ -175,7 +199,7 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
         daemon.stop(check=False)
         raise
     decoder = None
-    if fast_path:
+    if variant.fast_path:
         from inference.engine.decode_graph import StaticDecoder, why_not
         from inference.engine.generate import _cache_keyword
 
@@ -195,19 +219,29 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
     def pack_reads() -> int:
         return daemon.client.stats().reads
 
+    def preload_ended() -> str:
+        waited, deadline = time.perf_counter(), time.perf_counter() + PRELOAD_WAIT_SECONDS
+        while True:
+            stats = daemon.client.stats()  # a fresh daemon's preload reads at least one expert
+            if stats["preload_loads_total"] > 0 and stats["preloading"] == 0:
+                return (f"the preload read {int(stats['preload_loads_total'])} experts; timed "
+                        f"{time.perf_counter() - waited:.1f} s after the warm-up, once it had ended")
+            if time.perf_counter() > deadline:
+                return f"timed while the preload was still reading ({PRELOAD_WAIT_SECONDS:.0f} s after the warm-up)"
+            time.sleep(0.05)
+
     return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, pack_reads=pack_reads,
                           closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes,
-                          decoder=decoder)
+                          decoder=decoder, before_timing=preload_ended if variant.preload else lambda: None)
 
 
 def build_contender(name: str, model: PreparedModel, fraction: float, device: torch.device, dtype: torch.dtype,
                     workdir: Path, *, static_len: int = 4096, layer_floor: bool = False) -> BuiltContender:
     """The contender `name` at a VRAM budget of `fraction` of the experts; raises ContenderSkipped.
     `layer_floor`: storaged's arena is raised to one layer's experts (start_storaged)."""
-    if name in IO_PARALLELISM:
-        return _storaged(model, fraction, device, dtype, workdir, io_parallelism=IO_PARALLELISM[name],
-                         host_tier=HOST_TIER[name], fast_path=FAST_PATH[name], lookahead=LOOKAHEAD[name],
-                         host_reads=HOST_READS[name], static_len=static_len, layer_floor=layer_floor)
+    if name in STORAGED_VARIANTS:
+        return _storaged(model, fraction, device, dtype, workdir, STORAGED_VARIANTS[name], static_len=static_len,
+                         layer_floor=layer_floor)
     if name == "llamacpp":
         raise ValueError("llamacpp is an external process, run by bench.e2e.llamacpp_run, not a torch model")
     builders = {"resident": _resident, "accelerate": _accelerate, "gguf_mmap": _gguf_mmap}

@@ -54,6 +54,9 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         counter.start()
         warm_up(built.model, device, vocab, built.decoder)
         result["warm_up_reads"] = counter.stop()
+        ready = built.before_timing()
+        if ready:
+            notes.append(ready)
         # the warm-up's page faults read ahead far beyond the experts it used (a whole 4 GB GGUF at
         # 100%, second GPU session): dropped, so only a contender's own cache (storaged's VRAM slots of
         # the warm-up's 4 tokens, reported in warm_up_reads) starts the timed run warm
