@@ -171,6 +171,10 @@ async def _preload(engine: StorageEngine, models: dict[str, ServedModel]) -> Non
     log.info("preload: reading experts of %s into the tiers while serving", ", ".join(models))
     try:
         report = await engine.preload(list(models.values()))
+    except asyncio.CancelledError:
+        log.info("preload: stopped with the daemon after starting %d loads",
+                 engine.metrics.snapshot().values["preload_loads_total"])
+        raise
     except Exception:  # a background task's error would otherwise go unseen; requests are unaffected
         log.exception("preload: stopped by an error")
         return
@@ -222,9 +226,14 @@ async def _serve(config: StoragedConfig, models: dict[str, ServedModel], runtime
         background.append(asyncio.create_task(_close_idle_sessions_forever(sessions, runtime.engine),
                                               name="idle sessions"))
         log.info("%s%s", status(), _gate_description(gate))
-        if config.preload:
-            background.append(asyncio.create_task(_preload(runtime.engine, models), name="preload"))
+        preload = asyncio.create_task(_preload(runtime.engine, models), name="preload") if config.preload else None
+        if preload is not None:
+            background.append(preload)
         await stop.wait()
+        if preload is not None:  # before the drain: it would start loads the drain does not wait for
+            preload.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await preload
         log.info("stopping: draining for up to %.1f s", config.shutdown_grace_seconds)
         notifier.stopping(f"draining for up to {config.shutdown_grace_seconds:g} s")
         if gate is not None:

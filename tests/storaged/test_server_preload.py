@@ -86,3 +86,17 @@ def test_preload_of_a_model_the_arena_holds_whole_or_none(disk_dir, preload):
     finally:
         assert daemon.stop() == 0, daemon.stderr()
     assert ("every expert is cached" in daemon.stderr()) == preload
+
+
+def test_a_daemon_stopped_while_preloading_exits_cleanly(disk_dir):
+    bundle = disk_dir / "preload-stop"
+    write_bundle(bundle, experts=256)  # 768 objects read one at a time: still preloading when stopped
+    daemon = start_daemon(disk_dir, {"tiny": bundle}, "--preload", vram_cache_bytes=800 * SLOT_BYTES,
+                          io_parallelism=1, socket_path=disk_dir / "preload-stop.sock")
+    with StorageClient(str(daemon.socket)) as client:
+        stats = client.stats()
+    assert daemon.stop() == 0, daemon.stderr()
+    log = daemon.stderr()
+    assert "Traceback" not in log and "error" not in log.lower(), log
+    if stats["preload_loads_total"] < 768:  # most runs stop it midway
+        assert "preload: stopped with the daemon after starting" in log, log
