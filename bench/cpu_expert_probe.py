@@ -9,6 +9,12 @@ Qwen3-like shape (gate+up [2I, H], down [H, I], Q4_K), rotating over `--experts`
 thread count, beside a plain sum over the same bytes (the memory's ceiling for those threads).
 
     python bench/cpu_expert_probe.py --threads 1 2 4 8 16 --json out.json
+    python bench/cpu_expert_probe.py --gpu-link-load     # also while the GPU reads host memory in place
+
+Both draw on the same host memory: with --gpu-link-load (CUDA) each thread count is timed again
+while a CUDA stream sums another registered host buffer over the link without pause, as the
+GPU's share of the host-tier experts would be read, and the link's rate during it is printed
+beside its rate alone: together, what splitting host-tier experts between the two could reach.
 
 The kernel's output is checked against gguf-py's dequantization and a float64 product first
 (exit status 1 when it is off by more than float32 rounding), so a fast wrong kernel never
@@ -18,6 +24,7 @@ reports a rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -26,7 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,6 +165,71 @@ def probe(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seconds: 
             "experts": experts, "rows": rows}
 
 
+class LinkLoad:
+    """`nbytes` of host memory registered with the device, which `running()` keeps the GPU reading
+    in place (a sum over it, again and again, on a stream of its own) for the block."""
+
+    def __init__(self, nbytes: int):
+        import torch
+
+        from bench.host_read_probe import MappedView
+        from storaged.device.cuda_driver import DriverApi
+
+        self._host = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # pages touched: real memory
+        self._driver = DriverApi(torch.cuda.current_device())
+        address = self._driver.register_mapped(self._host.data_ptr(), nbytes)
+        self._words = torch.as_tensor(MappedView(address, nbytes), device="cuda")  # [n / 8] int64, read in place
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[dict]:
+        """→ {"gbps": the link's read rate over the block}, filled in when the block ends."""
+        import torch
+
+        stop, rate = threading.Event(), {"gbps": 0.0}
+
+        def run() -> None:
+            stream, moved, start = torch.cuda.Stream(), 0, time.perf_counter()
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    self._words.sum()
+                    stream.synchronize()
+                    moved += self._host.numel()
+            rate["gbps"] = moved / (time.perf_counter() - start) / 1e9
+
+        thread = threading.Thread(target=run, name="link load", daemon=True)
+        thread.start()
+        try:
+            yield rate
+        finally:
+            stop.set()
+            thread.join()
+
+    def close(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self._driver.unregister(self._host.data_ptr())
+        self._driver.close()
+
+
+def link_rates(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seconds: float,
+               nbytes: int = 1 << 29) -> dict:
+    """The link's rate alone, then per thread count the CPU's rate with the link busy and the link's meanwhile."""
+    load = LinkLoad(nbytes)
+    try:
+        with load.running() as alone:
+            time.sleep(seconds)
+        rows = []
+        for threads in thread_counts:
+            with load.running() as link:
+                cpu = probe(kernel, experts, [threads], seconds)["rows"][0]
+            rows.append({"threads": threads, "cpu_gbps": cpu["gbps"], "link_gbps": link["gbps"],
+                         "together_gbps": cpu["gbps"] + link["gbps"]})
+        return {"link_alone_gbps": alone["gbps"], "buffer_bytes": nbytes, "rows": rows}
+    finally:
+        load.close()
+
+
 def report(result: dict) -> str:
     lines = [f"Q4_K experts of {result['object_bytes'] / 1e6:.2f} MB (hidden {result['hidden']}, intermediate "
              f"{result['intermediate']}), {result['top_k']} a layer, rotating over {result['experts']}; "
@@ -164,6 +238,13 @@ def report(result: dict) -> str:
         lines.append(f"  {r['threads']:3d} threads: {r['us_per_layer']:9.1f} us a layer's experts, {r['gbps']:6.1f} GB/s "
                      f"of weights | a plain sum over the same bytes {r['memory_sum_gbps']:6.1f} GB/s "
                      f"({r['gbps'] / r['memory_sum_gbps']:.2f} of it)")
+    link = result.get("link")
+    if link:
+        lines.append(f"  the GPU reading {link['buffer_bytes'] / 1e6:.0f} MB of host memory in place: "
+                     f"{link['link_alone_gbps']:.1f} GB/s alone")
+        for r in link["rows"]:
+            lines.append(f"  {r['threads']:3d} threads beside it: CPU {r['cpu_gbps']:6.1f} GB/s, link {r['link_gbps']:6.1f} "
+                         f"GB/s, together {r['together_gbps']:6.1f} GB/s")
     return "\n".join(lines)
 
 
@@ -173,6 +254,8 @@ def main(argv=None) -> int:
                         help="thread counts to time (default: 1, then powers of two up to the CPU count)")
     parser.add_argument("--experts", type=int, default=64, help="distinct objects the calls rotate over")
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per thread count")
+    parser.add_argument("--gpu-link-load", action="store_true",
+                        help="time each thread count again while the GPU reads host memory in place (CUDA)")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "expertpack-cpu-kernels")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -191,6 +274,13 @@ def main(argv=None) -> int:
         print(f"cpu_expert_probe: {exc}", file=sys.stderr)
         return 1
     result = probe(kernel, args.experts, threads, args.seconds) | {"max_relative_error": error, "cpu_count": cpus}
+    if args.gpu_link_load:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("cpu_expert_probe: --gpu-link-load needs CUDA", file=sys.stderr)
+            return 2
+        result["link"] = link_rates(kernel, args.experts, threads, args.seconds)
     print(report(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))

@@ -54,3 +54,25 @@ def test_probe_refuses_bad_arguments(argv):
     with pytest.raises(SystemExit) as exc:
         cpu_expert_probe.main(argv)
     assert exc.value.code == 2
+
+
+def test_link_load_needs_cuda(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the link load runs (test_link_load_runs_beside_the_cpu_kernel)")
+    assert cpu_expert_probe.main(["--threads", "1", "--experts", "8", "--seconds", "0.01", "--gpu-link-load",
+                                  "--cache-dir", str(tmp_path)]) == 2
+    assert "--gpu-link-load needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_link_load_runs_beside_the_cpu_kernel(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kernel = cpu_expert_probe.build_kernel(tmp_path)
+    result = cpu_expert_probe.link_rates(kernel, 8, [1, 2], 0.2, nbytes=64 << 20)
+    assert result["link_alone_gbps"] > 1 and [r["threads"] for r in result["rows"]] == [1, 2]
+    assert all(r["cpu_gbps"] > 0 and r["link_gbps"] > 1 for r in result["rows"])
