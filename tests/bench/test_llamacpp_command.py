@@ -239,6 +239,17 @@ def _states(pids):
     return {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids}
 
 
+def _settled_states(pids, expect_stopped: bool, timeout: float = 5.0):
+    """The processes' states once each is stopped ('T') or each is not, or at the timeout: a signal
+    is delivered when the process is next scheduled, not when kill(2) returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _states(pids)
+        if all((state == "T") == expect_stopped for state in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.01)
+
+
 def test_build_paused_stops_every_process_of_the_build_session_and_continues_them(tmp_path, monkeypatch):
     session_file, status = tmp_path / "llamacpp-build.session", tmp_path / "llamacpp-build.status"
     monkeypatch.setenv(BUILD_STATUS_ENV, str(status))
@@ -254,8 +265,8 @@ def test_build_paused_stops_every_process_of_the_build_session_and_continues_the
         assert len(pids) == 3 and len({os.getpgid(pid) for pid in pids}) == 3
         with build_paused() as paused:
             assert paused
-            assert set(_states(pids).values()) == {"T"}
-        assert "T" not in _states(pids).values()
+            assert set(_settled_states(pids, True).values()) == {"T"}
+        assert "T" not in _settled_states(pids, False).values()
         status.write_text("0\n")  # the build ended: nothing to pause
         with build_paused() as paused:
             assert not paused
