@@ -56,8 +56,36 @@ static inline __m256 sub_block(const uint8_t *qs, int shift, const float *x) {
     return _mm256_fmadd_ps(nibbles(qs + 24, shift), _mm256_loadu_ps(x + 24), sum);
 }
 
+/* 64 weights' two sub-blocks (low nibbles of qs[0..32) times x[0..32), high nibbles times
+ * x[32..64)), scaled by d * scale, added to the row's 8-lane accumulator */
+typedef __m256 accumulator;
+static inline accumulator acc_zero(void) { return _mm256_setzero_ps(); }
+static inline accumulator acc_pair(accumulator acc, const uint8_t *qs, const float *x, float ds1, float ds2) {
+    acc = _mm256_fmadd_ps(sub_block(qs, 0, x), _mm256_set1_ps(ds1), acc);
+    return _mm256_fmadd_ps(sub_block(qs, 4, x + 32), _mm256_set1_ps(ds2), acc);
+}
+static inline float acc_total(accumulator acc) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+#else
+typedef float accumulator;
+static inline accumulator acc_zero(void) { return 0.0f; }
+static inline accumulator acc_pair(accumulator acc, const uint8_t *qs, const float *x, float ds1, float ds2) {
+    float lo = 0.0f, hi = 0.0f;
+    for (int l = 0; l < 32; l++) {
+        lo += (float)(qs[l] & 0xF) * x[l];
+        hi += (float)(qs[l] >> 4) * x[l + 32];
+    }
+    return acc + ds1 * lo + ds2 * hi;
+}
+static inline float acc_total(accumulator acc) { return acc; }
+#endif
+
 static float row_dot(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    __m256 acc = _mm256_setzero_ps();
+    accumulator acc = acc_zero();
     float mins = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = row + b * 144;           /* [144] bytes */
@@ -68,42 +96,14 @@ static float row_dot(const uint8_t *row, int64_t blocks, const float *x, const f
             float s1, m1, s2, m2;
             scale_min(2 * j, scales, &s1, &m1);
             scale_min(2 * j + 1, scales, &s2, &m2);
-            acc = _mm256_fmadd_ps(sub_block(qs, 0, xb), _mm256_set1_ps(d * s1), acc);
-            acc = _mm256_fmadd_ps(sub_block(qs, 4, xb + 32), _mm256_set1_ps(d * s2), acc);
+            acc = acc_pair(acc, qs, xb, d * s1, d * s2);
             mins += dmin * (m1 * sb[2 * j] + m2 * sb[2 * j + 1]);
             qs += 32;
             xb += 64;
         }
     }
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half) - mins;
+    return acc_total(acc) - mins;
 }
-#else
-static float row_dot(const uint8_t *row, int64_t blocks, const float *x, const float *xsum) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = row + b * 144;           /* [144] bytes */
-        const float d = half_to_float(block), dmin = half_to_float(block + 2);
-        const uint8_t *scales = block + 4, *qs = block + 16;
-        const float *xb = x + b * 256, *sb = xsum + b * 8;
-        for (int j = 0; j < 4; j++) {                  /* 64 weights: low nibbles, then high */
-            float s1, m1, s2, m2, lo = 0.0f, hi = 0.0f;
-            scale_min(2 * j, scales, &s1, &m1);
-            scale_min(2 * j + 1, scales, &s2, &m2);
-            for (int l = 0; l < 32; l++) {
-                lo += (float)(qs[l] & 0xF) * xb[l];
-                hi += (float)(qs[l] >> 4) * xb[l + 32];
-            }
-            acc += d * (s1 * lo + s2 * hi) - dmin * (m1 * sb[2 * j] + m2 * sb[2 * j + 1]);
-            qs += 32;
-            xb += 64;
-        }
-    }
-    return acc;
-}
-#endif
 
 /* For each of `count` matrices m (rows x cols, Q4_K, row-major, cols % 256 == 0):
  * y[m][r] = W_m[r, :] . x[m] with xsum[m] = sums of x[m] per 32; rows spread over `threads`. */
