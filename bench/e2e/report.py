@@ -66,24 +66,29 @@ def markdown(results: dict) -> str:
 BASELINES = ("storaged_serial", "gguf_mmap", "accelerate", "llamacpp")
 
 
+# the storaged variants each baseline is compared with: as started cold, and as an operator's
+# restarted daemon with preload = true serves (timed once its preload ended)
+RATIO_VARIANTS = ("storaged", "storaged_preload")
+
+
 def ratio_lines(runs: list[dict]) -> list[str]:
-    """storaged's decode tok/s over each baseline's at the same shape and budget, and over the fully
-    resident model's (the upper bound, run at 100% only)."""
+    """Each of RATIO_VARIANTS' decode tok/s over each baseline's at the same shape and budget, and
+    over the fully resident model's (the upper bound, run at 100% only)."""
     speed = {(r["shape"], r["contender"], r["budget_fraction"]): r["decode_tok_s"]
              for r in runs if r.get("decode_tok_s")}
     resident = {shape: tok_s for (shape, name, _), tok_s in speed.items() if name == "resident"}
     rows = []
     for (shape, name, fraction), tok_s in sorted(speed.items()):
-        if name != "storaged":
+        if name not in RATIO_VARIANTS:
             continue
         cells = [_ratio(tok_s, speed.get((shape, base, fraction))) for base in BASELINES]
-        rows.append(f"| {shape} | {fraction:.0%} | {' | '.join(cells)} | {_ratio(tok_s, resident.get(shape))} |")
+        rows.append(f"| {shape} | {name} | {fraction:.0%} | {' | '.join(cells)} | {_ratio(tok_s, resident.get(shape))} |")
     if not rows:
         return []
     return ["", "## Decode speed ratios (storaged ÷ contender, same shape and budget)", "",
-            "| shape | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | "
+            "| shape | storaged | VRAM budget | ÷ storaged_serial | ÷ gguf_mmap | ÷ accelerate | ÷ llamacpp | "
             "÷ resident (100%) |",
-            "|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs), *lookahead_lines(runs)]
+            "|---|---|---|---|---|---|---|---|", *rows, *llamacpp_ratio_lines(runs), *lookahead_lines(runs)]
 
 
 LOOKAHEAD_MAX_EXTRA_BYTES = 0.15  # hints may add at most this share of SSD bytes per token
@@ -111,24 +116,24 @@ def lookahead_lines(runs: list[dict]) -> list[str]:
 
 
 def llamacpp_ratio_lines(runs: list[dict]) -> list[str]:
-    """storaged ÷ llama.cpp, decode and prefill, per shape and budget (same GGUF, same RAM limit rules),
-    with llama.cpp's placement of the experts at that budget."""
+    """Each of RATIO_VARIANTS ÷ llama.cpp, decode and prefill, per shape and budget (same GGUF, same RAM
+    limit rules), with llama.cpp's placement of the experts at that budget."""
     by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if r.get("decode_tok_s")}
     rows = []
     for (shape, name, fraction), ours in sorted(by_key.items()):
         peer = by_key.get((shape, "llamacpp", fraction))
-        if name != "storaged" or peer is None:
+        if name not in RATIO_VARIANTS or peer is None:
             continue
         placement = peer.get("llamacpp", {})
-        rows.append(f"| {shape} | {fraction:.0%} | {_ratio(ours['decode_tok_s'], peer['decode_tok_s'])} | "
+        rows.append(f"| {shape} | {name} | {fraction:.0%} | {_ratio(ours['decode_tok_s'], peer['decode_tok_s'])} | "
                     f"{_ratio(ours.get('prefill_tok_s'), peer.get('prefill_tok_s'))} | "
                     f"{_number(peer['decode_tok_s'])} | {_number(peer.get('prefill_tok_s'))} | "
                     f"{placement.get('n_cpu_moe', '–')} | {placement.get('moe_layers_in_vram', '–')} |")
     if not rows:
         return []
     return ["", "### storaged ÷ llama.cpp (same GGUF, same budget)", "",
-            "| shape | VRAM budget | decode ratio | prefill ratio | llama.cpp decode tok/s | llama.cpp prefill tok/s | "
-            "--n-cpu-moe | MoE layers in VRAM |", "|---|---|---|---|---|---|---|---|", *rows]
+            "| shape | storaged | VRAM budget | decode ratio | prefill ratio | llama.cpp decode tok/s | "
+            "llama.cpp prefill tok/s | --n-cpu-moe | MoE layers in VRAM |", "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _ratio(value: float | None, base: float | None) -> str:

@@ -34,3 +34,16 @@ def test_lookahead_table_needs_both_runs_at_the_same_budget():
                                       run("storaged_serial", 0.1, 3.0, 2e8)]}})
     section = text.split("### Lookahead hints")[1]
     assert "| S | 10% | 200.0 | 190.0 | 1.05× (within) | 0.91× |" in section
+
+
+def test_ratio_tables_compare_storaged_cold_and_preloaded_with_each_baseline():
+    runs = [run("storaged", 0.5, 60.0, 2e6), run("storaged_preload", 0.5, 180.0, 0.0), run("storaged_serial", 0.5, 6.0, 1e8),
+            run("llamacpp", 0.5, 300.0, 0.0), run("storaged_copy_up", 0.5, 30.0, 2e6)]
+    runs[3] |= {"prefill_tok_s": 200.0, "llamacpp": {"n_cpu_moe": 6, "moe_layers_in_vram": 6}}
+    text = markdown({"e2e": {"runs": runs}})
+    ratios = text.split("## Decode speed ratios")[1].split("### storaged ÷ llama.cpp")[0]
+    assert "| S | storaged | 50% | 10.00× | – | – | 0.20× | – |" in ratios
+    assert "| S | storaged_preload | 50% | 30.00× | – | – | 0.60× | – |" in ratios
+    assert "storaged_copy_up |" not in ratios  # a variant for its own comparison, not a headline row
+    peer = text.split("### storaged ÷ llama.cpp")[1]
+    assert "| S | storaged_preload | 50% | 0.60× | – | 300.00 | 200.00 | 6 | 6 |" in peer

@@ -79,8 +79,9 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
     # storaged ÷ llama.cpp table where llama.cpp ran (a CPU build of it is present)
     llamacpp_ran = [r for r in runs if r["contender"] == "llamacpp" and "decode_tok_s" in r
                     and r["shape"] == "Qwen3-30B-A3B-like (tiny)"]
-    # + the lookahead table: storaged with hints against storaged without, at both budgets
-    assert ratios.count("| Qwen3-30B-A3B-like (tiny) |") == 2 + len(llamacpp_ran) + 2 and "×" in ratios
+    # storaged and storaged_preload in each ratio table; + the lookahead table: storaged with hints
+    # against storaged without, at both budgets
+    assert ratios.count("| Qwen3-30B-A3B-like (tiny) |") == 4 + 2 * len(llamacpp_ran) + 2 and "×" in ratios
     assert "### Lookahead hints" in ratios
     assert any("host RAM" in s for s in results["statements"])
 

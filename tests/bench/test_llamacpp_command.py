@@ -216,11 +216,11 @@ def test_report_prints_storaged_over_llamacpp_decode_and_prefill():
             _run("storaged", 0.5, 10.0, 500.0)]  # llama.cpp did not run at 50%: no row
     text = markdown({"e2e": {"runs": runs}})
     section = text.split("### storaged ÷ llama.cpp")[1]
-    assert "| S | 10% | 2.00× | 0.25× | 1.50 | 400.00 | 11 | 1 |" in section
-    assert "| S | 100% | 0.06× | 0.40× | 900.00 | 5000.00 | 0 | 12 |" in section
-    assert "| S | 50% |" not in section
+    assert "| S | storaged | 10% | 2.00× | 0.25× | 1.50 | 400.00 | 11 | 1 |" in section
+    assert "| S | storaged | 100% | 0.06× | 0.40× | 900.00 | 5000.00 | 0 | 12 |" in section
+    assert "| S | storaged | 50% |" not in section
     decode_table = text.split("## Decode speed ratios")[1].split("###")[0]
-    assert "÷ llamacpp" in decode_table and "| S | 10% | – | – | – | 2.00× | – |" in decode_table
+    assert "÷ llamacpp" in decode_table and "| S | storaged | 10% | – | – | – | 2.00× | – |" in decode_table
 
 
 def test_build_in_progress_while_the_status_file_is_absent(tmp_path, monkeypatch):
