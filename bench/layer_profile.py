@@ -12,6 +12,8 @@ again, experts are not pre-loaded and steps that meet an absent one run on the a
                     eager decoder layers in the graph
   storaged-graph-compiled  the same, the captured step's decoder layers compiled by inductor (the default
                     of `inference` on CUDA)
+  storaged-graph-cpu  storaged-graph-compiled with CPU threads computing a share of each step's host-tier
+                    experts (--cpu-experts-threads, --cpu-experts-share; inference.experts.cpu_experts)
   storaged-eager    storaged arena, one data-plane acquire per MoE layer, fused kernels, no graph
   llamacpp          llama-bench -ngl 99 on the same GGUF (its own timing: per token only)
 
@@ -43,7 +45,8 @@ from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
 
-MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-eager", "llamacpp")
+MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu", "storaged-eager",
+         "llamacpp")
 # kernel name -> kind; the first pattern that matches wins
 KINDS = (
     ("experts GEMV", r"moe_gemv"),
@@ -67,7 +70,7 @@ def classify(name: str) -> str:
 
 def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
            budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None,
-           lookahead_min_precision: float | None = None, host_reads: bool = True):
+           lookahead_min_precision: float | None = None, host_reads: bool = True, cpu_experts=None):
     """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
@@ -94,13 +97,16 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
                         expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev,
                                                                                host_reads=host_reads))
     decoder = None
-    if mode in ("storaged-graph", "storaged-graph-compiled"):
+    closers = [loaded.expert_source.close, loaded.close, daemon.stop]
+    if mode in ("storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu"):
         decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
                                        cache_keyword=_cache_keyword(loaded.model),
-                                       compile_layers=mode == "storaged-graph-compiled")  # not the default
+                                       compile_layers=mode != "storaged-graph",  # not the default
+                                       cpu_experts=cpu_experts if mode == "storaged-graph-cpu" else None)
         if decoder is None:
             raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
-    return loaded.model, decoder, loaded.expert_source, [loaded.expert_source.close, loaded.close, daemon.stop], daemon
+        closers.insert(0, decoder.close)
+    return loaded.model, decoder, loaded.expert_source, closers, daemon
 
 
 def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int, sample_seed: int | None = None
@@ -279,10 +285,14 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         return _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
                          args.prompt_len, args.tokens)
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
+    from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+
+    cpu_experts = CpuExpertsConfig(args.cpu_experts_threads, args.cpu_experts_share or DEFAULT_SHARE)
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead, args.host_budget,
-                                                     args.lookahead_min_precision, not args.no_host_reads)
+                                                     args.lookahead_min_precision, not args.no_host_reads,
+                                                     cpu_experts)
     policy = _hint_policy(built)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
@@ -320,7 +330,16 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                 for phase in ACQUIRE_PHASES}
             traffic["fence_wait_ms_per_token"] = 1e3 * (after["fence_wait_seconds_total"]
                                                         - before["fence_wait_seconds_total"]) / timing["decoded"]
+        pool = decoder.cpu_experts.pool if decoder is not None and decoder.cpu_experts is not None else None
+        pool_before = pool.stats() if pool is not None else None
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
+        if pool is not None:  # the CPU's time per job (two a layer) over the profiled steps
+            pool_after = pool.stats()
+            jobs = pool_after.jobs - pool_before.jobs
+            profiled["cpu_experts"] = {
+                "threads": pool.threads, "kernel": pool.kernel, "share": cpu_experts.share, "jobs": jobs,
+                "failed_jobs": pool_after.failed_jobs - pool_before.failed_jobs,
+                "us_per_job": 1e6 * (pool_after.busy_seconds - pool_before.busy_seconds) / max(1, jobs)}
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
     finally:
         for close in closers:
@@ -445,6 +464,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="time the experts GEMV's launch shapes first and use the fastest (bench/gemv_sweep.py)")
     parser.add_argument("--no-host-reads", action="store_true",
                         help="copy host-tier experts up to VRAM (an Acquire) instead of reading them in place")
+    parser.add_argument("--cpu-experts-threads", type=int, default=12, metavar="N",
+                        help="storaged-graph-cpu: CPU threads computing host-tier experts (default 12)")
+    parser.add_argument("--cpu-experts-share", type=float, default=None, metavar="F",
+                        help="storaged-graph-cpu: share of each layer's host-tier experts they take (default 0.35)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:

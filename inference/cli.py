@@ -82,6 +82,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = Tru
                         help="decode through a static KV cache of this many tokens, each step one CUDA graph "
                              "reading experts via storaged's slot map, where the model allows it (default 4096; "
                              "0: off); longer requests decode eagerly")
+    parser.add_argument("--cpu-experts-threads", type=_non_negative, default=0 if defaults else None, metavar="N",
+                        help="CPU threads that compute a share of each decode step's host-tier experts beside the "
+                             "GPU (needs --storaged with a host tier, CUDA and the static cache; 0: off, the "
+                             "default); they spin while steps run")
+    parser.add_argument("--cpu-experts-share", type=_fraction, default=None, metavar="F",
+                        help="the share of each layer's host-tier experts the CPU threads compute (default 0.35)")
 
 
 def _lookahead(text: str) -> int | str:
@@ -201,7 +207,8 @@ def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
 
 def run_generate(config: GenerateConfig) -> int:
     loaded = load_from_config(config.model)
-    engine = Engine.from_loaded(loaded, static_cache_len=config.model.static_cache_len)
+    engine = Engine.from_loaded(loaded, static_cache_len=config.model.static_cache_len,
+                                cpu_experts=config.model.cpu_experts())
     try:
         tokenizer = engine.tokenizer
         if config.chat:

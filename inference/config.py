@@ -88,6 +88,11 @@ class ModelConfig:
     # decode through a static KV cache of this many tokens, each step one CUDA graph reading
     # experts via storaged's slot map, where the model allows it; 0 off
     static_cache_len: int = 4096
+    # CPU threads computing a share of each decode step's host-tier experts beside the GPU
+    # (inference.experts.cpu_experts); 0 off. Needs the CUDA static decoder and storaged's host tier.
+    cpu_experts_threads: int = 0
+    # the share of each layer's host-tier experts they take; None: the default (cpu_experts.DEFAULT_SHARE)
+    cpu_experts_share: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bundle, (str, Path)) or not str(self.bundle):
@@ -115,6 +120,21 @@ class ModelConfig:
         if isinstance(self.static_cache_len, bool) or not isinstance(self.static_cache_len, int) \
                 or self.static_cache_len < 0:
             raise ConfigError("static_cache_len", self.static_cache_len, "expected a number of tokens (0: off)")
+        if isinstance(self.cpu_experts_threads, bool) or not isinstance(self.cpu_experts_threads, int) \
+                or self.cpu_experts_threads < 0:
+            raise ConfigError("cpu_experts_threads", self.cpu_experts_threads, "expected a number of threads (0: off)")
+        if self.cpu_experts_threads and not self.static_cache_len:
+            raise ConfigError("cpu_experts_threads", self.cpu_experts_threads,
+                              "CPU experts run inside the static decoder's steps: static_cache_len is 0")
+        if self.cpu_experts_threads and not self.storaged:
+            raise ConfigError("cpu_experts_threads", self.cpu_experts_threads,
+                              "CPU experts compute storaged's host-tier experts: no storaged socket given")
+        if self.cpu_experts_share is not None:
+            value = self.cpu_experts_share
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError("cpu_experts_share", value, "expected a fraction in (0, 1]")
+            if not self.cpu_experts_threads:
+                raise ConfigError("cpu_experts_share", value, "given with cpu_experts_threads 0: nothing to share")
 
     def lookahead_for(self, model_config) -> int:
         """Experts per token to hint for the next layer, "auto" resolved for this model."""
@@ -125,6 +145,15 @@ class ModelConfig:
         from packtools.arch import get_arch
 
         return get_arch(model_config.model_type).top_k(model_config)
+
+    def cpu_experts(self):
+        """The CpuExpertsConfig of cpu_experts_threads/share, or None (off)."""
+        if not self.cpu_experts_threads:
+            return None
+        from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+
+        share = DEFAULT_SHARE if self.cpu_experts_share is None else float(self.cpu_experts_share)
+        return CpuExpertsConfig(self.cpu_experts_threads, share)
 
     def min_precision(self) -> float:
         """lookahead_min_precision, the default resolved."""

@@ -99,7 +99,7 @@ def _bindings(model: torch.nn.Module) -> dict[int, ExpertsBinding]:
 class StaticDecoder:
     def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool,
                  lookup_prefill: bool | None = None, compile_layers: bool | None = None,
-                 piecewise: bool | None = None):
+                 piecewise: bool | None = None, cpu_experts=None):
         if piecewise and not capture:
             raise ValueError("piecewise: a piecewise step is made of CUDA graphs, capture must be on")
         self.model = model
@@ -146,18 +146,28 @@ class StaticDecoder:
         # with storaged's host tier read in place: the daemon's maps, and the merged map the steps'
         # GEMVs read, recomputed at the start of every step (inference.experts.host_reads)
         self._host_reads = self._slot_map = self._merged = None
+        # inference.experts.cpu_experts.CpuExpertsConfig: a CPU pool computes a share of the
+        # host-tier experts of each step (a pool per session: it reads the session's host tier)
+        self.cpu_experts_config = cpu_experts
+        self.cpu_experts = None
         self._follow_source()
 
     @classmethod
     def create(cls, model: torch.nn.Module, source, *, max_len: int, cache_keyword: str,
-               capture: bool | None = None, compile_layers: bool | None = None) -> StaticDecoder | None:
+               capture: bool | None = None, compile_layers: bool | None = None,
+               cpu_experts=None) -> StaticDecoder | None:
+        """None where the model or source cannot (logged); cpu_experts (CpuExpertsConfig) is refused
+        with a ValueError where no step could use it."""
         device = model.get_input_embeddings().weight.device
         reason = why_not(model, source, device)
         if reason is not None:
+            if cpu_experts is not None:
+                raise ValueError(f"cpu_experts_threads: CPU experts run inside captured decode steps; {reason}")
             log.info("decode steps run eagerly: %s", reason)
             return None
         return cls(model, source, max_len, cache_keyword=cache_keyword,
-                   capture=device.type == "cuda" if capture is None else capture, compile_layers=compile_layers)
+                   capture=device.type == "cuda" if capture is None else capture, compile_layers=compile_layers,
+                   cpu_experts=cpu_experts)
 
     def _follow_source(self) -> None:
         """Read the source's slot map, arena and fence again when its session changed (a reconnect
@@ -171,6 +181,7 @@ class StaticDecoder:
         self._piecewise = None
         self._prefills = {}
         if lookup is None:  # a session without a slot map on this device: acquire path only
+            self.close()
             self.fence, self._lookups, self.lookup_enabled = None, {}, False
             self._host_reads = self._slot_map = self._merged = None
             return
@@ -179,14 +190,42 @@ class StaticDecoder:
         self._host_reads, self._slot_map = host, slot_map
         self._merged = torch.empty_like(slot_map) if host is not None else None  # [rows, E] int32
         self._lookups = {}
+        shares = self._start_cpu_experts(host, stride)
         for layer, binding in self.bindings.items():
             row = rows[layer]
             if host is not None and reads_host_tier(binding):
                 self._lookups[layer] = DeviceLookup(self._merged[row], arena, stride, self.misses, slot_map[row],
-                                                    host.slots)
+                                                    host.slots, shares.get(layer))
             else:
                 self._lookups[layer] = DeviceLookup(slot_map[row], arena, stride, self.misses)
         self.lookup_enabled = True  # a new session's fence is not revoked
+
+    def _start_cpu_experts(self, host, stride: int) -> dict:
+        """The CpuShare of each layer whose host-tier experts the CPU pool shares, from a pool made
+        for this session's host tier (the previous session's pool stopped first)."""
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
+            self.cpu_experts = None
+        config = self.cpu_experts_config
+        if config is None:
+            return {}
+        if host is None or not host.host_address:
+            raise ValueError("cpu_experts_threads: storaged shares no host tier this process reads in place "
+                             "(set its host_cache_bytes; the inference side's host reads must be on)")
+        from inference.experts.cpu_experts import CpuExperts
+        from inference.experts.fused import GROUPED_PAIRS
+
+        bindings = {layer: b for layer, b in self.bindings.items() if reads_host_tier(b)}
+        dtype = self.model.get_input_embeddings().weight.dtype
+        self.cpu_experts = CpuExperts(config, bindings, host_address=host.host_address, host_slots=host.host_slots,
+                                      slot_bytes=stride, max_pairs=GROUPED_PAIRS, device=self.device, dtype=dtype)
+        return self.cpu_experts.layers
+
+    def close(self) -> None:
+        """Stop the CPU experts pool, if any (the decoder's steps must have ended)."""
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
+            self.cpu_experts = None
 
     # --- the model call -------------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class Engine:
     @classmethod
     def from_loaded(cls, loaded, *, metrics: EngineMetrics | None = None, max_model_len: int | None = None,
                     max_queue: int | None = None, request_timeout: float | None = None,
-                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, static_cache_len: int = 0,
+                    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT, static_cache_len: int = 0, cpu_experts=None,
                     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> Engine:
         """An engine for an inference.model.LoadedModel (static_cache_len: see ModelRunner)."""
@@ -121,7 +121,8 @@ class Engine:
         runner = ModelRunner(loaded.model, SerializedTokenizer(loaded.tokenizer),
                              eos_ids=eos_token_ids(loaded.tokenizer, loaded.model.generation_config),
                              context_length=context_limit(context_length_of(loaded.config), max_model_len),
-                             expert_source=loaded.expert_source, static_cache_len=static_cache_len)
+                             expert_source=loaded.expert_source, static_cache_len=static_cache_len,
+                             cpu_experts=cpu_experts)
         if runner.decoder is not None:  # before the server reports ready, not in the first request
             runner.decoder.prepare()
         if metrics is not None and getattr(loaded, "hint_policy", None) is not None:
@@ -245,6 +246,9 @@ class Engine:
                                    EngineClosedError(f"request {item.request_id}: the engine shut down before it ran"))
         self._jobs.put(_STOP)  # the worker cancels what runs
         self._worker.join(timeout)
+        decoder = getattr(self.runner, "decoder", None)
+        if decoder is not None and not self._worker.is_alive():  # no step runs any more: stop its CPU threads
+            decoder.close()
 
     # --- the worker -------------------------------------------------------------------------
 

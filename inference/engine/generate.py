@@ -53,11 +53,12 @@ class ModelRunner:
     """A loaded model and its tokenizer; a request generates through a Sequence (alone: `run`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, eos_ids: Iterable[int], context_length: int | None,
-                 expert_source=None, static_cache_len: int = 0):
+                 expert_source=None, static_cache_len: int = 0, cpu_experts=None):
         """static_cache_len > 0: decode through a StaticDecoder of that many tokens (a CUDA graph
         per step reading experts through storaged's slot map) when the model and `expert_source`
         allow it (inference.engine.decode_graph.why_not); requests that do not fit it, and models
-        that cannot, decode eagerly."""
+        that cannot, decode eagerly. cpu_experts (inference.experts.cpu_experts.CpuExpertsConfig):
+        CPU threads share the host-tier experts of its steps; refused (ValueError) without one."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -73,7 +74,10 @@ class ModelRunner:
 
             length = min(static_cache_len, context_length or static_cache_len)
             self.decoder = StaticDecoder.create(model, expert_source, max_len=length,
-                                                cache_keyword=self._cache_keyword)
+                                                cache_keyword=self._cache_keyword, cpu_experts=cpu_experts)
+        elif cpu_experts is not None:
+            raise ValueError("cpu_experts_threads: CPU experts run inside the static decoder's steps "
+                             "(static_cache_len is 0)")
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "prompt") -> None:
         """Refuse a prompt the model cannot take, or a max_tokens that does not fit the context."""

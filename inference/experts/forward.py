@@ -57,6 +57,8 @@ class DeviceLookup:
     misses: torch.Tensor
     vram_map: torch.Tensor | None = None  # None: layer_map
     host: object | None = None  # inference.kernels.ops.HostSlots
+    # inference.experts.cpu_experts.CpuShare: a share of the host-tier experts computed by the CPU
+    cpu: object | None = None
 
 
 @dataclasses.dataclass
@@ -319,10 +321,10 @@ def _fused_in_groups(module, binding: ExpertsBinding, hidden_states, top_k_index
 
 
 def _pairs(module, binding: ExpertsBinding, hidden_states, top_k_index, top_k_weights, slot_map, arena,
-           stride, misses: torch.Tensor | None = None, host=None) -> torch.Tensor:
+           stride, misses: torch.Tensor | None = None, host=None, cpu=None) -> torch.Tensor:
     if binding.fused is not None:
         return F.pair_forward(module, binding.plan, binding.fused, hidden_states, top_k_index, top_k_weights,
-                              slot_map, arena, stride, misses, host=host)
+                              slot_map, arena, stride, misses, host=host, cpu=cpu)
     assert host is None, "host-tier slots are read in place by the fused GEMV only"
     return F.gather_forward(module, binding.plan, hidden_states, top_k_index, top_k_weights, slot_map, arena,
                             stride, misses)
@@ -335,7 +337,7 @@ def _lookup_forward(module, binding: ExpertsBinding, hidden_states, top_k_index,
     if _reads_host_tier(binding, top_k_index):
         if tokens * top_k <= F.GROUPED_PAIRS:
             return _pairs(module, binding, hidden_states, top_k_index, top_k_weights, lookup.layer_map, lookup.arena,
-                          lookup.stride, lookup.misses, host=lookup.host)
+                          lookup.stride, lookup.misses, host=lookup.host, cpu=lookup.cpu)
         return F.device_grouped_forward(module, binding.plan, binding.fused, hidden_states, top_k_index,
                                         top_k_weights, lookup.layer_map, lookup.arena, lookup.stride, lookup.misses,
                                         host=lookup.host)

@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 
+from inference.experts.cpu_experts import pair_forward_shared
 from inference.experts.eager import expert_outputs
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
 from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, device_gemm_blocks, gemm_blocks, gemv_weight,
@@ -89,13 +90,27 @@ def _activate(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, gate_u
 def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
                  arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None, *,
-                 host: HostSlots | None = None) -> torch.Tensor:
+                 host: HostSlots | None = None, cpu=None) -> torch.Tensor:
     """[T, H]: the experts' combined output; pair p = (token p // k, its p % k-th expert), the
     expert's object at row slot_map[expert] (int32 [E]; -1: absent, counted in `misses`) of
     `arena` (rows of `stride` bytes), or with `host` in the host tier (ids from host.first on;
-    plans without biases only). Four kernels when the module's activation is plain."""
+    plans without biases only). Four kernels when the module's activation is plain. With `cpu`
+    (inference.experts.cpu_experts.CpuShare, and `host`), a share of the host-tier experts is
+    computed by the CPU pool meanwhile."""
     tokens, top_k = top_k_index.shape
     experts = top_k_index.reshape(-1)  # [P] int64, p = token * k + slot
+    if cpu is not None and host is not None and experts.shape[0] <= cpu.max_pairs:
+        def gemv(inputs, gpu_map, per_pair, first):
+            parts = [moe_gemv(inputs, experts, gpu_map, arena, stride, w, top_k=top_k, x_per_pair=per_pair,
+                              misses=misses if first and i == 0 else None, host=host)
+                     for i, w in enumerate(fused.up if first else (fused.down,))]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+        down = pair_forward_shared(cpu, gemv, lambda gate_up: _activate(module, plan, fused, gate_up), x, experts,
+                                   slot_map, host.first, top_k, misses)
+        if getattr(module, "has_post_expert_norm", False):
+            down = module.post_expert_norm(down)
+        return moe_combine(down, top_k_weights, top_k_index)
     parts = [moe_gemv(x, experts, slot_map, arena, stride, w, top_k=top_k, misses=misses if i == 0 else None,
                       host=host)
              for i, w in enumerate(fused.up)]  # [P, rows_i]

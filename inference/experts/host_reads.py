@@ -52,6 +52,10 @@ class HostReads:
 
     host_map: torch.Tensor
     slots: HostSlots
+    # where this process maps the tier (host slot 0's CPU address; 0: unknown) and its slot count,
+    # for CPU threads computing host-tier experts (inference.experts.cpu_experts)
+    host_address: int = 0
+    host_slots: int = 0
 
     def merge(self, slot_map: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """int32 [rows, E]: each object's VRAM slot, else first + its host slot, else -1. Device

@@ -382,7 +382,8 @@ class StoragedExpertSource:
                     # triton's interpreter)
                     address = (tier.device_address(self.device) if self.device.type == "cuda"
                                else tier.slot_view(0).data_ptr())
-                    reads = HostReads(host_map, HostSlots(session.slot_count, address - arena.data_ptr()))
+                    reads = HostReads(host_map, HostSlots(session.slot_count, address - arena.data_ptr()),
+                                      tier.slot_view(0).data_ptr(), tier.slot_count)
                     log.info("storaged's host tier mapped to be read in place (%d slots of %d bytes)",
                              tier.slot_count, tier.slot_bytes)
             except (StorageError, ArenaError) as exc:  # ArenaError: mapping, or CUDA registration

@@ -55,8 +55,9 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
 
     Pair p's expert is expert_ptr[p] (top_k_index flattened), found at slot map_ptr[expert] (a row
     of storaged's slot map, or a table of just-acquired slots). Rows n < n_split start at byte
-    off1 + n * row_bytes of the object, the others at off2 + (n - n_split) * row_bytes. A negative
-    slot (the expert is not resident) is counted in miss_ptr (COUNT_MISSES) and reads slot 0
+    off1 + n * row_bytes of the object, the others at off2 + (n - n_split) * row_bytes. Slot -2:
+    the CPU computes the pair (inference.kernels.handoff), the program writes nothing. Slot -1
+    (the expert is not resident) is counted in miss_ptr (COUNT_MISSES) and reads slot 0
     instead: the result is garbage, and the caller, who sees the count, discards it. A slot
     >= host_first is host tier slot (slot - host_first), read in place over the link at byte
     host_delta + (slot - host_first) * slot_bytes from the arena's start (host_delta may be < 0).
@@ -65,6 +66,8 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
     nmask = n < N
     slot = tl.load(map_ptr + tl.load(expert_ptr + p))
+    if slot == -2:  # the CPU computes this pair (inference.kernels.handoff): its row is written there
+        return
     if COUNT_MISSES:
         tl.atomic_add(miss_ptr, 1, mask=(slot < 0) & (tl.program_id(1) == 0))
     slot = tl.maximum(slot, 0).to(tl.int64)

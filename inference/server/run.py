@@ -43,6 +43,7 @@ def _load_in_background(config: ServeConfig, metrics: EngineMetrics) -> concurre
                                         request_timeout=config.request_timeout or None,
                                         stall_timeout=config.stall_timeout or None,
                                         static_cache_len=config.model.static_cache_len,
+                                        cpu_experts=config.model.cpu_experts(),
                                         max_num_seqs=config.max_num_seqs, prefill_chunk=config.prefill_chunk)
             future.set_result(engine)
         except BaseException as exc:  # reported by the serving loop

@@ -190,6 +190,56 @@ def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager
     assert read_in_place
 
 
+@pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
+def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens):
+    """The host-tier test above with CPU threads taking half of each layer's host-tier experts
+    (inference.experts.cpu_experts): the same tokens, the second request still all through the
+    slot map, the pool serving two jobs a MoE layer a step and refusing none."""
+    from inference.experts.cpu_experts import CpuExpertsConfig
+
+    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as _probe:
+        info = _probe.info()
+        slot_bytes, experts = info.slot_bytes, info.models["m"].expert_count
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes=experts * slot_bytes,
+                            host_cache_bytes="64MiB")
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                                 expert_source=loaded.expert_source, static_cache_len=64,
+                                 cpu_experts=CpuExpertsConfig(2, 0.5))
+            decoder = runner.decoder
+            pool = decoder.cpu_experts.pool
+            first = _greedy(runner)
+            redone, lookups, jobs = decoder.redone_steps, decoder.lookup_steps, pool.stats().jobs
+            second = _greedy(runner)
+            stats = pool.stats()
+            shared_layers = len(decoder.cpu_experts.layers)
+            decoder.close()
+    finally:
+        daemon.stop()
+    assert first == eager_tokens and second == eager_tokens
+    assert shared_layers == len(decoder.bindings)
+    assert decoder.redone_steps == redone and decoder.lookup_steps - lookups == TOKENS - 1
+    assert stats.jobs - jobs == 2 * shared_layers * (TOKENS - 1) and stats.failed_jobs == 0
+
+
+def test_cpu_experts_are_refused_without_a_host_tier(qwen_case):
+    from inference.experts.cpu_experts import CpuExpertsConfig
+
+    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes="64MiB")
+    try:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+            with pytest.raises(ValueError, match="cpu_experts_threads: storaged shares no host tier"):
+                ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                            expert_source=loaded.expert_source, static_cache_len=64,
+                            cpu_experts=CpuExpertsConfig(2))
+            with pytest.raises(ValueError, match="static_cache_len is 0"):
+                ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
+                            expert_source=loaded.expert_source, static_cache_len=0, cpu_experts=CpuExpertsConfig(2))
+    finally:
+        daemon.stop()
+
+
 LONG_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(40)]  # pads to 64 tokens: the grouped GEMM's size
 
 

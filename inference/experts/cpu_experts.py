@@ -1,0 +1,139 @@
+"""Host-tier experts shared between the GPU and the CPU in a decode step.
+
+With storaged's host tier read in place (inference.experts.host_reads), the host-tier experts of
+a decode step cross the link: about 40 GB/s, the bound of a step at a 50% + 50% budget. The CPU's
+cores read host memory faster than that and sit idle, so a share of each layer's host-tier experts
+is computed by a pool of CPU threads (inference.kernels.host_experts) while the GPU computes the
+rest, its VRAM experts and the other host-tier ones (inference.kernels.handoff):
+
+    gate/up: the device posts x and the CPU's pairs  ->  GEMVs of the other pairs  ->  collect
+    the module's own activation over every pair (the GPU)
+    down:    the device posts the activations        ->  GEMVs of the other pairs  ->  collect
+    the combine
+
+Two handoffs a layer keep the activation where every architecture's own code runs it. The CPU's
+rows equal the GPU's but for float32 summation order (bf16-rounded weights, float32 sums, bf16
+results). The share is a fraction of the host-tier experts each layer uses (default
+DEFAULT_SHARE, from the rates measured in docs/benchmarks.md); `cpu_experts_share` sets it.
+
+Where it applies: the captured decode step (device lookup) of layers whose fused GEMV reads the
+host tier in place, weights of a type the CPU kernels read (Q4_K, MXFP4), bfloat16 models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from fractions import Fraction
+
+import torch
+
+from inference.kernels import handoff
+from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, readable
+
+log = logging.getLogger(__name__)
+DEFAULT_SHARE = 0.35  # CPU 24-35 GB/s beside the link's 50 (H200 host, 12 threads): about a third
+TIMEOUT_NS = 200_000_000  # a pool this late is gone: the step is redone on the acquire path
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuExpertsConfig:
+    threads: int  # the pool's threads (spinning while steps run)
+    share: float = DEFAULT_SHARE  # of each layer's host-tier experts
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"cpu_experts threads {self.threads!r}: expected a positive number")
+        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) or not 0 < self.share <= 1:
+            raise ValueError(f"cpu_experts share {self.share!r}: expected a fraction in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuShare:
+    """What one layer's decode-sized call needs to hand host-tier experts to the pool."""
+
+    box: handoff.Mailbox
+    up: int  # the pool's projection ids
+    down: int
+    share: tuple[int, int]  # (numerator, denominator) of the host-tier experts taken
+    gpu_map: torch.Tensor  # int32 [E]: scratch, static for graph capture
+    cpu_pairs: torch.Tensor  # int32 [max pairs]
+    max_pairs: int
+    timeout_ns: int = TIMEOUT_NS
+
+
+def why_not(binding, dtype: torch.dtype) -> str | None:
+    """Why the CPU cannot take a share of this layer's host-tier experts, or None."""
+    fused = binding.fused
+    if fused is None:
+        return f"layer {binding.layer}: not on the fused path"
+    if dtype != torch.bfloat16:
+        return f"layer {binding.layer}: the CPU kernels compute bfloat16 models, not {dtype}"
+    if fused.up_biases or fused.down_bias is not None:
+        return f"layer {binding.layer}: biases"
+    for weights in (fused.up, (fused.down,)):
+        why = readable(weights)
+        if why is not None:
+            return f"layer {binding.layer}: {why}"
+    return None
+
+
+class CpuExperts:
+    """The pool of a decoder, and each layer's CpuShare."""
+
+    def __init__(self, config: CpuExpertsConfig, bindings: dict, *, host_address: int, host_slots: int,
+                 slot_bytes: int, max_pairs: int, device: torch.device, dtype: torch.dtype):
+        eligible = {}
+        for layer, binding in bindings.items():
+            reason = why_not(binding, dtype)
+            if reason is None:
+                eligible[layer] = binding
+            else:
+                log.info("CPU experts: %s; its host-tier experts are read over the link", reason)
+        if not eligible:
+            raise HostExpertsUnavailable("no layer's experts can be computed on the CPU (see the log)")
+        # x rows: hidden states [T, H] (gate/up), activations [P, I] (down); outputs [P, 2I], [P, H]
+        max_cols = max(max(b.fused.up[0].cols, b.fused.down.cols) for b in eligible.values())
+        max_rows = max(max(sum(w.rows for w in b.fused.up), b.fused.down.rows) for b in eligible.values())
+        self.pool = HostExpertsPool(host_address=host_address, host_slots=host_slots, slot_bytes=slot_bytes,
+                                    max_pairs=max_pairs, max_cols=max_cols, max_rows=max_rows, threads=config.threads,
+                                    pinned=device.type == "cuda")
+        share = Fraction(config.share).limit_denominator(64)
+        box = handoff.Mailbox.of(self.pool, device)
+        cpu_pairs = torch.zeros(max_pairs, dtype=torch.int32, device=device)
+        self.layers: dict[int, CpuShare] = {}
+        try:
+            for layer, binding in eligible.items():
+                up = self.pool.add_projection(binding.fused.up)
+                down = self.pool.add_projection((binding.fused.down,))
+                gpu_map = torch.empty(binding.plan.target.num_experts, dtype=torch.int32, device=device)
+                self.layers[layer] = CpuShare(box, up, down, (share.numerator, share.denominator), gpu_map, cpu_pairs,
+                                              max_pairs)
+            self.pool.start()
+        except BaseException:
+            self.pool.close()
+            raise
+        log.info("CPU experts: %d threads (%s kernels) take %s of the host-tier experts of %d of %d layers",
+                 config.threads, self.pool.kernel, share, len(self.layers), len(bindings))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def pair_forward_shared(cpu: CpuShare, gemv, activate, x: torch.Tensor, experts: torch.Tensor,
+                        slot_map: torch.Tensor, host_first: int, top_k: int, misses: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """[P, H] down outputs of every pair (before the combine): `gemv(x, map, per_pair, first)` runs
+    the GPU's GEMVs of one projection (first: the up projection, which counts misses) over the
+    pairs whose slot in `map` is not -2, `activate(gate_up)` the module's activation."""
+    pairs = experts.shape[0]
+    assert misses is not None, "the handoff reports a late CPU as a miss: a decode step's miss counter is needed"
+    gpu_map = handoff.split_publish(cpu.box, x, experts, slot_map, host_first, cpu.share, projection=cpu.up,
+                                    top_k=top_k, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs)
+    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: the CPU's rows still to come
+    handoff.collect(cpu.box, gate_up, cpu.cpu_pairs, misses, cpu.timeout_ns)
+    hidden = activate(gate_up).contiguous()  # [P, I]
+    handoff.publish(cpu.box, hidden, projection=cpu.down, pairs=pairs, top_k=1)
+    down = gemv(hidden, gpu_map, True, False)  # [P, H]
+    handoff.collect(cpu.box, down, cpu.cpu_pairs, misses, cpu.timeout_ns)
+    return down

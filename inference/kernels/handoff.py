@@ -1,0 +1,101 @@
+"""Launchers of the device side of the CPU experts handoff (handoff_triton.py), over the pool's
+mailbox (inference.kernels.host_experts). All device work with fixed shapes and no host sync, so a
+decode step that hands experts to the CPU is still one CUDA graph:
+
+    box = Mailbox.of(pool, device)
+    gpu_map = split_publish(box, x, experts, merged_row, host_first, share, projection=up, top_k=k,
+                            gpu_map=..., cpu_pairs=...)      # the CPU starts on its pairs
+    y = moe_gemv(x, experts, gpu_map, ...)                    # the GPU skips them (slot -2)
+    collect(box, y, cpu_pairs, misses, timeout_ns)            # the CPU's rows into y
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from inference.kernels.ops import triton_module
+
+SPLIT_BLOCK_C = 512
+COLLECT_BLOCK = 512
+CPU_COMPUTED = -2  # a slot-map entry the GEMV skips: the CPU computes that expert's pairs
+
+
+class _Interface:
+    """A CUDA array over host memory the device reads and writes in place (page-locked, mapped)."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (address, False), "version": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mailbox:
+    """The pool's mailbox as the kernels take it (on the model's device)."""
+
+    words: torch.Tensor  # int64 [n]
+    x: torch.Tensor  # bfloat16 [max_pairs, max_cols]
+    out: torch.Tensor  # bfloat16 [max_pairs, max_rows]
+
+    @classmethod
+    def of(cls, pool, device: torch.device) -> Mailbox:
+        if device.type != "cuda":  # the kernels run interpreted, on the host tensors themselves
+            return cls(pool.words, pool.x, pool.out)
+
+        def view(tensor: torch.Tensor, typestr: str) -> torch.Tensor:
+            return torch.as_tensor(_Interface(tensor.data_ptr(), tuple(tensor.shape), typestr), device=device)
+
+        return cls(view(pool.words, "<i8"), view(pool.x.view(torch.int16), "<i2").view(torch.bfloat16),
+                   view(pool.out.view(torch.int16), "<i2").view(torch.bfloat16))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels():
+    module = triton_module()
+    assert module is not None, "the handoff needs triton"
+    from inference.kernels import handoff_triton
+
+    return handoff_triton
+
+
+def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, host_first: int,
+                  share: tuple[int, int], *, projection: int, top_k: int, gpu_map: torch.Tensor,
+                  cpu_pairs: torch.Tensor) -> torch.Tensor:
+    """Hand the CPU ceil(share * n) of the n host-tier experts the pairs use (slot_map: int32 [E],
+    the merged map; experts: int64 [P]); post x [T, cols] and the job. Fills gpu_map (int32 [E]:
+    slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's pairs);
+    returns gpu_map."""
+    pairs, n_experts = experts.shape[0], slot_map.shape[0]
+    assert x.stride(-1) == 1 and x.shape[0] <= box.x.shape[0] and x.shape[1] <= box.x.shape[1], tuple(x.shape)
+    assert pairs <= box.out.shape[0] and cpu_pairs.shape[0] >= pairs
+    _kernels().split_publish_kernel[(1,)](
+        experts, slot_map, gpu_map, cpu_pairs, box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0],
+        x.shape[1], n_experts, pairs, host_first, share[0], share[1], projection, top_k,
+        EP=triton_next_power_of_2(n_experts), PP=triton_next_power_of_2(pairs), BLOCK_C=SPLIT_BLOCK_C, num_warps=4)
+    return gpu_map
+
+
+def publish(box: Mailbox, x: torch.Tensor, *, projection: int, pairs: int, top_k: int) -> None:
+    """Post the next projection of the same pairs: x [rows, cols] (one row per pair: top_k 1)."""
+    assert x.stride(-1) == 1 and x.shape[0] <= box.x.shape[0] and x.shape[1] <= box.x.shape[1], tuple(x.shape)
+    _kernels().publish_kernel[(1,)](box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0], x.shape[1],
+                                    projection, pairs, top_k, BLOCK_C=SPLIT_BLOCK_C, num_warps=4)
+
+
+def collect(box: Mailbox, out: torch.Tensor, cpu_pairs: torch.Tensor, misses: torch.Tensor, timeout_ns: int) -> None:
+    """Copy the CPU's rows of the posted job into out [P, rows] once the pool reports it done; a
+    pool that does not (in timeout_ns) or refused the job adds to misses (int32 [1])."""
+    pairs, rows = out.shape
+    assert out.stride(-1) == 1 and rows <= box.out.shape[1]
+    if pairs == 0:
+        return
+    _kernels().collect_kernel[(pairs,)](out, out.stride(0), rows, cpu_pairs, box.words, box.out, box.out.stride(0),
+                                        misses, timeout_ns, BLOCK=COLLECT_BLOCK, INTERP=_interpreted(), num_warps=4)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,516 @@
+/* Host-tier experts computed on the CPU, beside the GPU: a pool of threads that serves GEMVs over
+ * storaged's host tier (mapped into this process) through a mailbox in page-locked host memory.
+ *
+ * The protocol (inference/kernels/host_experts.py holds the Python side, handoff_triton.py the
+ * device side):
+ *   the device writes a job's inputs into the mailbox (the projection id, the pairs' host slots,
+ *   the activation rows in bfloat16), then the job's ticket with a system-scope release;
+ *   the pool's leader sees the ticket, hands the rows of every pair with a slot >= 0 to the
+ *   threads, each row is W(slot) . x[p / top_k] rounded to bfloat16 into the mailbox's output;
+ *   then the leader writes `done` = ticket (or -ticket when the job named a slot outside the host
+ *   tier or a projection never registered), and the device, spinning on `done`, copies them.
+ *
+ * Arithmetic equals the GPU's GEMV (inference/kernels/moe_triton.py) but for the order of the
+ * float32 additions: each weight dequantized as gguf-py does (no FMA contraction: build with
+ * -ffp-contract=off) and rounded to bfloat16, as the resident model holds it, times x, summed in
+ * float32, the sum rounded to bfloat16 (to nearest even). MXFP4 weights are exact in bfloat16
+ * already (a 4-bit value times a power of two), so their blocks are summed first and scaled once.
+ *
+ * Kernels: AVX-512 BF16 (dot products of bfloat16 pairs into float32), else AVX2 + FMA, else
+ * plain C; host_experts_kernel() names the one compiled.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+enum { KIND_Q4_K = 1, KIND_MXFP4 = 2 };
+enum { MAX_SEGMENTS = 2, ITEM_ROWS = 32 };
+/* mailbox words (int64): each hot word on a cache line of its own */
+enum { W_TICKET = 0, W_DONE = 8, W_PROJECTION = 16, W_PAIRS = 17, W_TOP_K = 18, W_SLOTS = 24 };
+
+typedef struct {
+    int32_t kind;
+    int64_t rows, row_bytes, first_offset, second_offset, split;
+} segment_t;
+
+typedef struct {
+    int32_t segments;
+    int64_t cols, rows;  /* rows: the segments' rows together, the output row's length */
+    segment_t seg[MAX_SEGMENTS];
+} projection_t;
+
+typedef struct pool pool_t;
+typedef struct { pool_t *pool; int id; } worker_t;
+
+struct pool {
+    uint8_t *mailbox;
+    int64_t max_pairs, x_offset, x_stride, out_offset, out_stride;  /* bytes; strides in elements */
+    const uint8_t *host;  /* host slot 0 */
+    int64_t host_slots, slot_bytes;
+    projection_t *projections;
+    int32_t projection_count, projection_capacity;
+    int threads;
+    pthread_t *handles;
+    worker_t *workers;
+    /* the job being served: written by the leader before it publishes `job` (release) */
+    int64_t job_pairs[1024], job_count, job_items, job_items_per_pair, job_top_k;
+    const projection_t *job_projection;
+    _Atomic int64_t job;        /* the ticket being served (0: none yet) */
+    _Atomic uint64_t claim;     /* (job's low 32 bits) << 32 | next item */
+    _Atomic int64_t finished;   /* items of the job completed */
+    _Atomic int stop;
+    _Atomic int sleepers;
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+    /* statistics */
+    _Atomic int64_t jobs, failed_jobs, busy_ns;
+};
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline volatile int64_t *word(pool_t *p, int index) { return (volatile int64_t *)p->mailbox + index; }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* numbers                                                                                          */
+
+static inline float half_to_float(const uint8_t *b) {
+    const uint16_t h = (uint16_t)(b[0] | (b[1] << 8));
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } out;
+    if (exponent == 0) {
+        out.f = (float)mantissa * 0x1p-24f;
+        out.u |= sign;
+    } else if (exponent == 31) {
+        out.u = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        out.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    return out.f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } out = { .u = (uint32_t)v << 16 };
+    return out.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } in = { .f = f };
+    if ((in.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((in.u >> 16) | 0x40);
+    return (uint16_t)((in.u + 0x7FFFu + ((in.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+/* gguf-py's E8M0 scale halved (MXFP4's d): 2^(e - 128) built on the bits, subnormal below e = 2 */
+static inline float e8m0_half(uint8_t e) {
+    union { uint32_t u; float f; } out = { .u = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23) };
+    return out.f;
+}
+
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline void q4k_scale_min(int j, const uint8_t *q, float *scale, float *min) {
+    if (j < 4) {
+        *scale = (float)(q[j] & 63);
+        *min = (float)(q[j + 4] & 63);
+    } else {
+        *scale = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *min = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* row dots: one output row, W's quantized row times x (bfloat16), float32                          */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KERNEL_NAME "avx512bf16"
+/* 16 weights of one nibble half (shift 0 or 4) of 16 bytes, dequantized: ds * q - dm */
+static inline __m512 q4k_weights(__m128i bytes, int shift, __m512 ds, __m512 dm) {
+    __m512i q = _mm512_cvtepu8_epi32(bytes);
+    q = _mm512_and_si512(_mm512_srli_epi32(q, shift), _mm512_set1_epi32(0xF));
+    return _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), ds), dm);
+}
+
+static float q4k_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < cols / 256; b++) {
+        const uint8_t *block = row + b * 144;  /* [144] bytes: d, dmin, scales[12], qs[128] */
+        const float d = half_to_float(block), dmin = half_to_float(block + 2);
+        const uint8_t *scales = block + 4, *qs = block + 16;
+        const uint16_t *xb = x + b * 256;
+        for (int j = 0; j < 4; j++, qs += 32, xb += 64) {  /* 64 weights: sub-blocks 2j (low), 2j+1 (high) */
+            float s1, m1, s2, m2;
+            q4k_scale_min(2 * j, scales, &s1, &m1);
+            q4k_scale_min(2 * j + 1, scales, &s2, &m2);
+            const __m512 ds1 = _mm512_set1_ps(d * s1), dm1 = _mm512_set1_ps(dmin * m1);
+            const __m512 ds2 = _mm512_set1_ps(d * s2), dm2 = _mm512_set1_ps(dmin * m2);
+            const __m128i lo = _mm_loadu_si128((const __m128i *)qs), hi = _mm_loadu_si128((const __m128i *)(qs + 16));
+            __m512bh w = _mm512_cvtne2ps_pbh(q4k_weights(hi, 0, ds1, dm1), q4k_weights(lo, 0, ds1, dm1));
+            acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb));
+            w = _mm512_cvtne2ps_pbh(q4k_weights(hi, 4, ds2, dm2), q4k_weights(lo, 4, ds2, dm2));
+            acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + 32));
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static float mxfp4_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < cols / 32; b++) {
+        const uint8_t *block = row + b * 17;  /* [17] bytes: e, qs[16] (low nibbles: 0..15, high: 16..31) */
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, _mm_set1_epi8(0xF)));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0xF)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+        const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + b * 32));
+        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(e8m0_half(block[0])), acc);  /* exact: d is a power of 2 */
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KERNEL_NAME "avx2"
+static inline __m256 x8(const uint16_t *x) {  /* 8 bfloat16 as float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
+}
+
+static inline __m256 round8(__m256 w) {  /* to bfloat16 and back, to nearest even (finite weights) */
+    __m256i bits = _mm256_castps_si256(w);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline __m256 q4k_product(const uint8_t *q, int shift, __m256 ds, __m256 dm, const uint16_t *x, __m256 acc) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    v = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0xF));
+    const __m256 w = round8(_mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), ds), dm));
+    return _mm256_fmadd_ps(w, x8(x), acc);
+}
+
+static inline float sum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+static float q4k_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < cols / 256; b++) {
+        const uint8_t *block = row + b * 144;
+        const float d = half_to_float(block), dmin = half_to_float(block + 2);
+        const uint8_t *scales = block + 4, *qs = block + 16;
+        const uint16_t *xb = x + b * 256;
+        for (int j = 0; j < 4; j++, qs += 32, xb += 64) {
+            float s1, m1, s2, m2;
+            q4k_scale_min(2 * j, scales, &s1, &m1);
+            q4k_scale_min(2 * j + 1, scales, &s2, &m2);
+            const __m256 ds1 = _mm256_set1_ps(d * s1), dm1 = _mm256_set1_ps(dmin * m1);
+            const __m256 ds2 = _mm256_set1_ps(d * s2), dm2 = _mm256_set1_ps(dmin * m2);
+            for (int l = 0; l < 32; l += 8) {
+                acc = q4k_product(qs + l, 0, ds1, dm1, xb + l, acc);
+                acc = q4k_product(qs + l, 4, ds2, dm2, xb + 32 + l, acc);
+            }
+        }
+    }
+    return sum8(acc);
+}
+
+static float mxfp4_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_VALUES);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < cols / 32; b++) {
+        const uint8_t *block = row + b * 17;
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, _mm_set1_epi8(0xF)));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0xF)));
+        const uint16_t *xb = x + b * 32;
+        __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), x8(xb));
+        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), x8(xb + 8), part);
+        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), x8(xb + 16), part);
+        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), x8(xb + 24), part);
+        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(e8m0_half(block[0])), acc);
+    }
+    return sum8(acc);
+}
+#else
+#define KERNEL_NAME "portable"
+static float q4k_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < cols / 256; b++) {
+        const uint8_t *block = row + b * 144;
+        const float d = half_to_float(block), dmin = half_to_float(block + 2);
+        const uint8_t *scales = block + 4, *qs = block + 16;
+        const uint16_t *xb = x + b * 256;
+        for (int j = 0; j < 4; j++, qs += 32, xb += 64) {
+            float s1, m1, s2, m2;
+            q4k_scale_min(2 * j, scales, &s1, &m1);
+            q4k_scale_min(2 * j + 1, scales, &s2, &m2);
+            const float ds1 = d * s1, dm1 = dmin * m1, ds2 = d * s2, dm2 = dmin * m2;
+            for (int l = 0; l < 32; l++) {
+                acc += round_bf16((float)(qs[l] & 0xF) * ds1 - dm1) * bf16_to_float(xb[l]);
+                acc += round_bf16((float)(qs[l] >> 4) * ds2 - dm2) * bf16_to_float(xb[32 + l]);
+            }
+        }
+    }
+    return acc;
+}
+
+static float mxfp4_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < cols / 32; b++) {
+        const uint8_t *block = row + b * 17;
+        float part = 0.0f;
+        for (int l = 0; l < 16; l++) {
+            part += (float)MXFP4_VALUES[block[1 + l] & 0xF] * bf16_to_float(x[b * 32 + l]);
+            part += (float)MXFP4_VALUES[block[1 + l] >> 4] * bf16_to_float(x[b * 32 + 16 + l]);
+        }
+        acc += part * e8m0_half(block[0]);
+    }
+    return acc;
+}
+#endif
+
+const char *host_experts_kernel(void) { return KERNEL_NAME; }
+
+/* rows [first, first + count) of `projection` for one object, x one row of cols bfloat16 */
+static void project_rows(const projection_t *projection, const uint8_t *object, const uint16_t *x,
+                         int64_t first, int64_t count, uint16_t *out) {
+    for (int64_t n = first; n < first + count && n < projection->rows; n++) {
+        int64_t local = n;
+        const segment_t *seg = projection->seg;
+        while (local >= seg->rows) {  /* the segment holding output row n */
+            local -= seg->rows;
+            seg++;
+        }
+        const int64_t offset = local < seg->split ? seg->first_offset + local * seg->row_bytes
+                                                  : seg->second_offset + (local - seg->split) * seg->row_bytes;
+        const float y = seg->kind == KIND_Q4_K ? q4k_row(object + offset, projection->cols, x)
+                                               : mxfp4_row(object + offset, projection->cols, x);
+        out[n] = float_to_bf16(y);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* the pool                                                                                         */
+
+/* Item i of the job: rows [ITEM_ROWS * (i % per_pair), ...) of the (i / per_pair)-th computed pair. */
+static void run_item(pool_t *p, int64_t item) {
+    const int64_t pair = p->job_pairs[item / p->job_items_per_pair];
+    const int64_t first = (item % p->job_items_per_pair) * ITEM_ROWS;
+    const int64_t slot = word(p, W_SLOTS)[pair];
+    const uint16_t *x = (const uint16_t *)(p->mailbox + p->x_offset) + (pair / p->job_top_k) * p->x_stride;
+    uint16_t *out = (uint16_t *)(p->mailbox + p->out_offset) + pair * p->out_stride;
+    project_rows(p->job_projection, p->host + slot * p->slot_bytes, x, first, ITEM_ROWS, out);
+}
+
+/* Claim and run items of job `job` until none is left (or another job began). */
+static void serve(pool_t *p, int64_t job) {
+    const uint64_t tag = (uint64_t)(uint32_t)job << 32;
+    for (;;) {
+        uint64_t claim = atomic_load_explicit(&p->claim, memory_order_acquire);
+        if ((claim & 0xFFFFFFFF00000000ull) != tag || (int64_t)(claim & 0xFFFFFFFFu) >= p->job_items) return;
+        if (!atomic_compare_exchange_weak_explicit(&p->claim, &claim, claim + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        run_item(p, (int64_t)(claim & 0xFFFFFFFFu));
+        atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel);
+    }
+}
+
+/* Read the job of `ticket` from the mailbox; 0 when it is malformed (then nothing is computed). */
+static int prepare(pool_t *p) {
+    const int64_t projection = word(p, W_PROJECTION)[0], pairs = word(p, W_PAIRS)[0], top_k = word(p, W_TOP_K)[0];
+    if (projection < 0 || projection >= p->projection_count || pairs < 0 || pairs > p->max_pairs || top_k < 1)
+        return 0;
+    int64_t count = 0;
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t slot = word(p, W_SLOTS)[i];
+        if (slot < 0) continue;
+        if (slot >= p->host_slots) return 0;
+        p->job_pairs[count++] = i;
+    }
+    p->job_projection = &p->projections[projection];
+    p->job_top_k = top_k;
+    p->job_count = count;
+    p->job_items_per_pair = (p->job_projection->rows + ITEM_ROWS - 1) / ITEM_ROWS;
+    p->job_items = count * p->job_items_per_pair;
+    return 1;
+}
+
+static const int64_t SPIN_NS = 5000000;  /* spin this long after a job before sleeping */
+
+static void lead(pool_t *p) {
+    int64_t last = atomic_load(&p->job), idle_since = now_ns();
+    while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
+        const int64_t ticket = __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE);
+        if (ticket == last) {
+            if (now_ns() - idle_since > SPIN_NS) {
+                struct timespec nap = {0, 50000};
+                nanosleep(&nap, NULL);
+            } else {
+                PAUSE();
+            }
+            continue;
+        }
+        const int64_t started = now_ns();
+        last = ticket;
+        if (!prepare(p)) {
+            atomic_fetch_add(&p->failed_jobs, 1);
+            __atomic_store_n(word(p, W_DONE), -ticket, __ATOMIC_RELEASE);
+            idle_since = now_ns();
+            continue;
+        }
+        atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
+        atomic_store_explicit(&p->claim, (uint64_t)(uint32_t)ticket << 32, memory_order_release);
+        atomic_store_explicit(&p->job, ticket, memory_order_release);
+        if (atomic_load(&p->sleepers) > 0) {
+            pthread_mutex_lock(&p->mutex);
+            pthread_cond_broadcast(&p->wake);
+            pthread_mutex_unlock(&p->mutex);
+        }
+        serve(p, ticket);
+        while (atomic_load_explicit(&p->finished, memory_order_acquire) < p->job_items) PAUSE();
+        __atomic_store_n(word(p, W_DONE), ticket, __ATOMIC_RELEASE);
+        idle_since = now_ns();
+        atomic_fetch_add(&p->jobs, 1);
+        atomic_fetch_add(&p->busy_ns, idle_since - started);
+    }
+}
+
+static void *thread_main(void *arg) {
+    worker_t *self = arg;
+    pool_t *p = self->pool;
+    if (self->id == 0) {
+        lead(p);
+        return NULL;
+    }
+    int64_t last = atomic_load(&p->job), idle_since = now_ns();
+    while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
+        const int64_t job = atomic_load_explicit(&p->job, memory_order_acquire);
+        if (job != last) {
+            last = job;
+            serve(p, job);
+            idle_since = now_ns();
+        } else if (now_ns() - idle_since > SPIN_NS) {
+            pthread_mutex_lock(&p->mutex);
+            atomic_fetch_add(&p->sleepers, 1);
+            if (atomic_load(&p->job) == last && !atomic_load(&p->stop)) {
+                struct timespec until;
+                clock_gettime(CLOCK_REALTIME, &until);
+                until.tv_nsec += 100000000;
+                if (until.tv_nsec >= 1000000000) { until.tv_sec++; until.tv_nsec -= 1000000000; }
+                pthread_cond_timedwait(&p->wake, &p->mutex, &until);
+            }
+            atomic_fetch_sub(&p->sleepers, 1);
+            pthread_mutex_unlock(&p->mutex);
+            idle_since = now_ns();
+        } else {
+            PAUSE();
+        }
+    }
+    return NULL;
+}
+
+pool_t *host_experts_create(uint8_t *mailbox, int64_t max_pairs, int64_t x_offset, int64_t x_stride,
+                            int64_t out_offset, int64_t out_stride, const uint8_t *host, int64_t host_slots,
+                            int64_t slot_bytes) {
+    if (max_pairs < 1 || max_pairs > 1024) return NULL;
+    pool_t *p = calloc(1, sizeof(pool_t));
+    if (p == NULL) return NULL;
+    p->mailbox = mailbox;
+    p->max_pairs = max_pairs;
+    p->x_offset = x_offset;
+    p->x_stride = x_stride;
+    p->out_offset = out_offset;
+    p->out_stride = out_stride;
+    p->host = host;
+    p->host_slots = host_slots;
+    p->slot_bytes = slot_bytes;
+    pthread_mutex_init(&p->mutex, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    return p;
+}
+
+/* Register a projection (before start); its id, or -1 when malformed. kinds/rows/... : one entry
+ * per segment, the segments' rows concatenated make the output row. */
+int32_t host_experts_add_projection(pool_t *p, int32_t segments, const int32_t *kinds, const int64_t *rows,
+                                    const int64_t *row_bytes, const int64_t *first_offsets,
+                                    const int64_t *second_offsets, const int64_t *splits, int64_t cols) {
+    if (p->handles != NULL || segments < 1 || segments > MAX_SEGMENTS || cols < 1) return -1;
+    projection_t projection = {.segments = segments, .cols = cols, .rows = 0};
+    for (int i = 0; i < segments; i++) {
+        const int64_t block = kinds[i] == KIND_Q4_K ? 256 : kinds[i] == KIND_MXFP4 ? 32 : 0;
+        if (block == 0 || cols % block || rows[i] < 1 || splits[i] < 0 || splits[i] > rows[i]) return -1;
+        projection.seg[i] = (segment_t){kinds[i], rows[i], row_bytes[i], first_offsets[i], second_offsets[i], splits[i]};
+        projection.rows += rows[i];
+    }
+    if (p->projection_count == p->projection_capacity) {
+        const int32_t capacity = p->projection_capacity ? 2 * p->projection_capacity : 16;
+        projection_t *grown = realloc(p->projections, (size_t)capacity * sizeof(projection_t));
+        if (grown == NULL) return -1;
+        p->projections = grown;
+        p->projection_capacity = capacity;
+    }
+    p->projections[p->projection_count] = projection;
+    return p->projection_count++;
+}
+
+int host_experts_start(pool_t *p, int threads) {
+    if (p->handles != NULL || threads < 1) return -1;
+    atomic_store(&p->job, __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE));
+    p->handles = calloc((size_t)threads, sizeof(pthread_t));
+    p->workers = calloc((size_t)threads, sizeof(worker_t));
+    if (p->handles == NULL || p->workers == NULL) return -1;
+    p->threads = threads;
+    for (int i = 0; i < threads; i++) {
+        p->workers[i] = (worker_t){p, i};
+        if (pthread_create(&p->handles[i], NULL, thread_main, &p->workers[i]) != 0) {
+            atomic_store(&p->stop, 1);
+            for (int j = 0; j < i; j++) pthread_join(p->handles[j], NULL);
+            p->threads = 0;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* jobs served, jobs refused (malformed), nanoseconds the leader spent serving */
+void host_experts_stats(pool_t *p, int64_t *out) {
+    out[0] = atomic_load(&p->jobs);
+    out[1] = atomic_load(&p->failed_jobs);
+    out[2] = atomic_load(&p->busy_ns);
+}
+
+void host_experts_destroy(pool_t *p) {
+    if (p == NULL) return;
+    atomic_store(&p->stop, 1);
+    pthread_mutex_lock(&p->mutex);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mutex);
+    for (int i = 0; i < p->threads; i++) pthread_join(p->handles[i], NULL);
+    free(p->handles);
+    free(p->workers);
+    free(p->projections);
+    pthread_mutex_destroy(&p->mutex);
+    pthread_cond_destroy(&p->wake);
+    free(p);
+}

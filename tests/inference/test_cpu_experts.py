@@ -1,0 +1,166 @@
+"""The CPU experts handoff (inference.experts.cpu_experts, inference.kernels.handoff): a layer's
+decode-sized call with a share of its host-tier experts computed by the CPU pool equals the same
+call computed by the GPU alone; the split takes the share asked; a pool that does not answer is a
+miss (the step is redone), never a wrong result. Without CUDA the kernels run interpreted."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference.experts.cpu_experts import CpuExpertsConfig, CpuShare, pair_forward_shared
+from inference.kernels import handoff
+from inference.kernels.host_experts import HostExpertsPool
+from inference.kernels.ops import HostSlots, gemv_weight, moe_gemv
+from packformat import ElementType, Role, RoleEntry
+from packformat.constants import tensor_nbytes
+from packtools.quants import random_blocks
+
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler to build the CPU kernels"),
+              pytest.mark.usefixtures("one_thread")]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER, EXPERTS, TOP_K = 256, 256, 8, 4
+VRAM_SLOTS = 3  # experts 0..2 in the arena, 3..7 in the host tier
+
+
+def _objects(element_type, count, rng):
+    """(uint8 [count * slot bytes], slot bytes, up weight, down weight): objects of gate [I, H],
+    up [I, H], down [H, I] roles."""
+    shapes = [(Role.GATE, (INTER, HIDDEN)), (Role.UP, (INTER, HIDDEN)), (Role.DOWN, (HIDDEN, INTER))]
+    entries, offset = [], 0
+    for role, shape in shapes:
+        nbytes = tensor_nbytes(element_type, shape)
+        entries.append(RoleEntry(role, int(element_type), offset, nbytes, shape))
+        offset = -(-(offset + nbytes) // 256) * 256
+    slot_bytes = -(-offset // 4096) * 4096
+    data = torch.zeros(count * slot_bytes, dtype=torch.uint8)
+    for slot in range(count):
+        for e in entries:
+            blocks = random_blocks(element_type, e.shape, rng).reshape(-1)
+            start = slot * slot_bytes + e.offset
+            data[start:start + e.nbytes] = torch.from_numpy(np.ascontiguousarray(blocks))
+    up = gemv_weight(entries[:2], rows=2 * INTER, cols=HIDDEN)
+    down = gemv_weight(entries[2:], rows=HIDDEN, cols=INTER)
+    return data, slot_bytes, up, down
+
+
+class Layer:
+    """A host tier, an arena, the merged map, and the GPU-only reference of a layer's calls."""
+
+    def __init__(self, element_type, rng):
+        data, self.slot_bytes, self.up, self.down = _objects(element_type, EXPERTS, rng)
+        self.arena = data[: VRAM_SLOTS * self.slot_bytes].clone().to(DEVICE)
+        self.tier = data[VRAM_SLOTS * self.slot_bytes:].clone()
+        if DEVICE == "cuda":
+            self.tier = self.tier.pin_memory()
+        self.host = HostSlots(VRAM_SLOTS, self.tier.data_ptr() - self.arena.data_ptr())
+        ids = list(range(VRAM_SLOTS)) + [VRAM_SLOTS + h for h in range(EXPERTS - VRAM_SLOTS)]
+        self.slot_map = torch.tensor(ids, dtype=torch.int32, device=DEVICE)  # merged: host ids from VRAM_SLOTS on
+
+    def gemv(self, experts, misses):
+        def run(inputs, slot_map, per_pair, first):
+            return moe_gemv(inputs, experts, slot_map, self.arena, self.slot_bytes, self.up if first else self.down,
+                            top_k=TOP_K, x_per_pair=per_pair, misses=misses if first else None, host=self.host)
+        return run
+
+    def reference(self, x, experts):
+        misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        gemv = self.gemv(experts, misses)
+        return gemv(activate(gemv(x, self.slot_map, False, True)).contiguous(), self.slot_map, True, False)
+
+
+def activate(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.fixture
+def pools():
+    made = []
+    yield made
+    for pool in made:
+        pool.close()
+
+
+def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000):
+    pool = HostExpertsPool(host_address=layer.tier.data_ptr(), host_slots=EXPERTS - VRAM_SLOTS,
+                           slot_bytes=layer.slot_bytes, max_pairs=16, max_cols=HIDDEN, max_rows=2 * INTER, threads=2,
+                           pinned=DEVICE == "cuda")
+    pools.append(pool)
+    up, down = pool.add_projection((layer.up,)), pool.add_projection((layer.down,))
+    if start:
+        pool.start()
+    cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), up, down, share,
+                   torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE),
+                   torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns)
+    return pool, cpu
+
+
+@pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_shared_call_equals_the_gpu_alone(pools, element_type, tokens):
+    """Half of the host-tier experts (rounded up) go to the CPU, lowest ids first; the rows agree
+    with the GPU-only call to bf16 rounding (summation order alone differs), and nothing is missed."""
+    rng = np.random.default_rng(int(element_type) + tokens)
+    layer = Layer(element_type, rng)
+    pool, cpu = _share(layer, pools)
+    routing = [[4, 0, 6, 3], [7, 5, 1, 4]][:tokens]  # host-tier experts: 3..7
+    experts = torch.tensor(routing, dtype=torch.int64, device=DEVICE).reshape(-1)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS,
+                              TOP_K, misses)
+    expected = layer.reference(x, experts)
+    assert int(misses.item()) == 0
+    host_used = sorted({e for row in routing for e in row if e >= VRAM_SLOTS})
+    taken = host_used[: -(-len(host_used) // 2)]
+    assert cpu.gpu_map.cpu().tolist() == [-2 if e in taken else s for e, s in enumerate(layer.slot_map.tolist())]
+    on_cpu = [int(e) in taken for e in experts.tolist()]
+    assert cpu.cpu_pairs[: len(on_cpu)].cpu().tolist() == [int(c) for c in on_cpu]
+    assert pool.stats().jobs == 2  # gate/up, then down
+    got, expected = got.float().cpu(), expected.float().cpu()
+    gpu_rows = torch.tensor([not c for c in on_cpu])
+    assert torch.equal(got[gpu_rows], expected[gpu_rows])  # the GPU's own rows: the same kernels
+    scale = expected.abs().amax(dim=1, keepdim=True)
+    assert torch.all((got - expected).abs() <= scale * 2**-6), "CPU rows beyond bf16 rounding of the GPU's"
+    assert (got == expected).float().mean() >= 0.5
+
+
+@pytest.mark.parametrize("share, taken", [((1, 1), 4), ((1, 3), 2), ((1, 64), 1)])
+def test_share_of_the_host_tier_experts(pools, share, taken):
+    rng = np.random.default_rng(3)
+    layer = Layer(ElementType.Q4_K, rng)
+    _, cpu = _share(layer, pools, share=share)
+    experts = torch.tensor([3, 5, 6, 7], dtype=torch.int64, device=DEVICE)  # all four in the host tier
+    x = torch.randn(1, HIDDEN).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS, TOP_K,
+                        misses)
+    assert int(misses.item()) == 0
+    assert cpu.cpu_pairs[:4].cpu().tolist() == [1] * taken + [0] * (4 - taken)
+
+
+def test_a_pool_that_does_not_answer_is_a_miss(pools):
+    """Threads never started: the device's wait times out and counts a miss, so the decode step
+    is thrown away and redone on the acquire path."""
+    rng = np.random.default_rng(5)
+    layer = Layer(ElementType.Q4_K, rng)
+    _, cpu = _share(layer, pools, start=False, timeout_ns=2_000_000)
+    experts = torch.tensor([3, 0, 1, 2], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(1, HIDDEN).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS, TOP_K,
+                        misses)
+    assert int(misses.item()) >= 1
+
+
+@pytest.mark.parametrize("threads, share", [(0, 0.5), (True, 0.5), (2, 0.0), (2, 1.5), (2, "half")])
+def test_config_refuses_bad_values(threads, share):
+    with pytest.raises(ValueError, match="cpu_experts"):
+        CpuExpertsConfig(threads, share)
