@@ -24,6 +24,7 @@ count, cache statistics, and what to close)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,11 +51,15 @@ class StoragedVariant:
     lookahead: bool = True  # top-k hints for the next layer
     host_reads: bool = True  # host-tier experts read in place (else copied up by an Acquire)
     preload: bool = False  # the daemon fills its tiers at start; timed once that ended
+    cpu_experts: bool = False  # CPU threads compute a share of each step's host-tier experts (CUDA)
 
 
+# the CPU experts' threads: the host's cores less a few for the daemon, the engine and the link's driver
+CPU_EXPERTS_THREADS = max(1, min(12, (os.cpu_count() or 4) - 4))
 STORAGED_VARIANTS = {
     "storaged": StoragedVariant(),
     "storaged_preload": StoragedVariant(preload=True),
+    "storaged_preload_cpu": StoragedVariant(preload=True, cpu_experts=True),
     "storaged_no_lookahead": StoragedVariant(lookahead=False),
     "storaged_copy_up": StoragedVariant(host_reads=False),
     "storaged_serial": StoragedVariant(io_parallelism=1, host_tier=False, fast_path=False, lookahead=False,
@@ -190,6 +195,10 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
                                                host_tier=variant.host_tier, layer_floor=layer_floor,
                                                preload=variant.preload)
     host_reads, lookahead = variant.host_reads, model.shape.top_k if variant.lookahead else 0
+    if variant.cpu_experts and (device.type != "cuda" or not host_bytes):
+        daemon.stop(check=False)
+        raise ContenderSkipped("CPU experts share the host tier's experts of CUDA graph decode steps: "
+                               + ("no CUDA here" if device.type != "cuda" else "no host tier at this budget"))
     try:
         socket = str(daemon.socket_dir / "s.sock")
         loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead,
@@ -203,8 +212,19 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
         from inference.engine.decode_graph import StaticDecoder, why_not
         from inference.engine.generate import _cache_keyword
 
-        decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
-                                       cache_keyword=_cache_keyword(loaded.model))
+        cpu_experts = None
+        if variant.cpu_experts:
+            from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+
+            cpu_experts = CpuExpertsConfig(CPU_EXPERTS_THREADS, DEFAULT_SHARE)
+            notes.append(f"{CPU_EXPERTS_THREADS} CPU threads compute {DEFAULT_SHARE} of each layer's host-tier experts")
+        try:
+            decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
+                                           cache_keyword=_cache_keyword(loaded.model), cpu_experts=cpu_experts)
+        except BaseException:
+            loaded.close()
+            daemon.stop(check=False)
+            raise
         notes.append(f"lookahead {lookahead} experts/token; decode "
                      + ("steps as CUDA graphs reading the slot map" if decoder and decoder.capture else
                         "steps uncaptured through the slot map" if decoder else
@@ -231,7 +251,8 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
             time.sleep(0.05)
 
     return BuiltContender(loaded.model, ["self", daemon.process.pid], notes, pack_reads=pack_reads,
-                          closers=[daemon.stop, loaded.close, loaded.expert_source.close], host_cache_bytes=host_bytes,
+                          closers=[*([decoder.close] if decoder is not None else []), daemon.stop, loaded.close,
+                                   loaded.expert_source.close], host_cache_bytes=host_bytes,
                           decoder=decoder, before_timing=preload_ended if variant.preload else lambda: None)
 
 

@@ -68,7 +68,7 @@ BASELINES = ("storaged_serial", "gguf_mmap", "accelerate", "llamacpp")
 
 # the storaged variants each baseline is compared with: as started cold, and as an operator's
 # restarted daemon with preload = true serves (timed once its preload ended)
-RATIO_VARIANTS = ("storaged", "storaged_preload")
+RATIO_VARIANTS = ("storaged", "storaged_preload", "storaged_preload_cpu")
 
 
 def ratio_lines(runs: list[dict]) -> list[str]:

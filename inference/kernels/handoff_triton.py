@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-W_TICKET: tl.constexpr = 0
-W_DONE: tl.constexpr = 8
-W_PROJECTION: tl.constexpr = 16
-W_PAIRS: tl.constexpr = 17
-W_TOP_K: tl.constexpr = 18
-W_SLOTS: tl.constexpr = 24
+W_TICKET = tl.constexpr(0)
+W_DONE = tl.constexpr(8)
+W_PROJECTION = tl.constexpr(16)
+W_PAIRS = tl.constexpr(17)
+W_TOP_K = tl.constexpr(18)
+W_SLOTS = tl.constexpr(24)
 
 
 @triton.jit

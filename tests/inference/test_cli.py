@@ -19,6 +19,7 @@ from inference.config import (ConfigError, ExpertSourceNotAvailableError, Genera
 from inference.engine import ModelRunner, SamplingParams, encode_chat, encode_completion_prompt
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import LocalPackSource
+from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
 
 PROMPT = "The old library on the hill"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -151,6 +152,15 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
     ([], "bundle = 'b'\nstoraged = '/s'\nlookahead_min_precision = 'high'\n", "'lookahead_min_precision' = 'high'"),
     ([], "bundle = 'b'\nstoraged = '/s'\nlookahead_min_precision = nan\n", "'lookahead_min_precision' = nan"),
     ([], "bundle = 'b'\nstatic_cache_len = 'long'\n", "'static_cache_len' = 'long'"),
+    (["--bundle", "b", "--cpu-experts-threads", "4"], None,
+     "'cpu_experts_threads' = 4: CPU experts compute storaged's host-tier experts: no storaged socket given"),
+    (["--bundle", "b", "--storaged", "/s", "--cpu-experts-threads", "4", "--static-cache-len", "0"], None,
+     "'cpu_experts_threads' = 4: CPU experts run inside the static decoder's steps"),
+    (["--bundle", "b", "--storaged", "/s", "--cpu-experts-share", "0.5"], None,
+     "'cpu_experts_share' = 0.5: given with cpu_experts_threads 0"),
+    (["--bundle", "b", "--storaged", "/s", "--cpu-experts-threads", "4", "--cpu-experts-share", "0"], None,
+     "'cpu_experts_share' = 0.0"),
+    ([], "bundle = 'b'\nstoraged = '/s'\ncpu_experts_threads = 2.5\n", "'cpu_experts_threads' = 2.5"),
 ])
 def test_bad_serve_configuration_exits_2_naming_the_field(tmp_path, capsys, argv, file, message):
     if file is not None:
@@ -197,6 +207,17 @@ def test_serve_reads_lookahead_min_precision_from_the_file_and_the_flag(tmp_path
     assert serve_config_from_args(build_parser().parse_args(from_file)).model.min_precision() == 0.0
     flag = [*from_file, "--lookahead-min-precision", "0.75"]
     assert serve_config_from_args(build_parser().parse_args(flag)).model.lookahead_min_precision == 0.75
+
+
+def test_cpu_experts_flags_and_file_become_one_config(tmp_path):
+    (tmp_path / "inference.toml").write_text("bundle = 'b'\nstoraged = '/s'\ncpu_experts_threads = 12\n")
+    from_file = ["serve", "--config", str(tmp_path / "inference.toml")]
+    model = serve_config_from_args(build_parser().parse_args(from_file)).model
+    assert model.cpu_experts() == CpuExpertsConfig(12, DEFAULT_SHARE)
+    flag = [*from_file, "--cpu-experts-share", "0.5"]
+    assert serve_config_from_args(build_parser().parse_args(flag)).model.cpu_experts() == CpuExpertsConfig(12, 0.5)
+    args = build_parser().parse_args(["generate", "--bundle", str(tmp_path), "--prompt", "hi"])
+    assert generate_config_from_args(args).model.cpu_experts() is None  # off by default
 
 
 def test_generate_refuses_min_precision_with_lookahead_off(qwen_bundle, capsys):
