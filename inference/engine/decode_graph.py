@@ -213,12 +213,15 @@ class StaticDecoder:
             raise ValueError("cpu_experts_threads: storaged shares no host tier this process reads in place "
                              "(set its host_cache_bytes; the inference side's host reads must be on)")
         from inference.experts.cpu_experts import CpuExperts
-        from inference.experts.fused import GROUPED_PAIRS
+        from inference.experts.fused import GROUPED_PAIRS, activation_of
 
         bindings = {layer: b for layer, b in self.bindings.items() if reads_host_tier(b)}
+        modules = experts_modules(self.model)
+        activations = {layer: activation_of(modules[layer][1], b) for layer, b in bindings.items()}
         dtype = self.model.get_input_embeddings().weight.dtype
-        self.cpu_experts = CpuExperts(config, bindings, host_address=host.host_address, host_slots=host.host_slots,
-                                      slot_bytes=stride, max_pairs=GROUPED_PAIRS, device=self.device, dtype=dtype)
+        self.cpu_experts = CpuExperts(config, bindings, activations, host_address=host.host_address,
+                                      host_slots=host.host_slots, slot_bytes=stride, max_pairs=GROUPED_PAIRS,
+                                      device=self.device, dtype=dtype)
         return self.cpu_experts.layers
 
     def close(self) -> None:

@@ -1,20 +1,20 @@
 """Host-tier experts shared between the GPU and the CPU in a decode step.
 
 With storaged's host tier read in place (inference.experts.host_reads), the host-tier experts of
-a decode step cross the link: about 40 GB/s, the bound of a step at a 50% + 50% budget. The CPU's
-cores read host memory faster than that and sit idle, so a share of each layer's host-tier experts
-is computed by a pool of CPU threads (inference.kernels.host_experts) while the GPU computes the
-rest, its VRAM experts and the other host-tier ones (inference.kernels.handoff):
+a decode step cross the link: about 40-50 GB/s, the bound of a step at a 50% + 50% budget. The
+CPU's cores read host memory too, so a share of each layer's host-tier experts is computed whole
+by a pool of CPU threads (inference.kernels.host_experts) while the GPU computes the rest, its
+VRAM experts and the other host-tier ones (inference.kernels.handoff), one handoff a layer:
 
-    gate/up: the device posts x and the CPU's pairs  ->  GEMVs of the other pairs  ->  collect
-    the module's own activation over every pair (the GPU)
-    down:    the device posts the activations        ->  GEMVs of the other pairs  ->  collect
-    the combine
+    the device posts x and the CPU's pairs -> the GPU's gate/up GEMVs, activation, down GEMVs of
+    the other pairs -> collect: the CPU's down rows into the GPU's -> the combine
 
-Two handoffs a layer keep the activation where every architecture's own code runs it. The CPU's
-rows equal the GPU's but for float32 summation order (bf16-rounded weights, float32 sums, bf16
-results). The share is a fraction of the host-tier experts each layer uses (default
-DEFAULT_SHARE, from the rates measured in docs/benchmarks.md); `cpu_experts_share` sets it.
+The CPU's rows equal the GPU's but for float32 summation order (bf16-rounded weights, float32
+sums, bf16 results) and its activation: SiLU(gate) * up rounded as torch's bfloat16 ops round,
+with the module's clamp where it has one (`limit`, e.g. DeepSeek-V4). Before a layer is shared,
+the pool's activation is checked against the module's own on a probe (agreeing to bf16 rounding
+of the exponential); a layer whose activation is another is left to the GPU (logged). The share is
+a fraction of the host-tier experts each layer uses (DEFAULT_SHARE; `cpu_experts_share`).
 
 Where it applies: the captured decode step (device lookup) of layers whose fused GEMV reads the
 host tier in place, weights of a type the CPU kernels read (Q4_K, MXFP4), bfloat16 models.
@@ -53,8 +53,7 @@ class CpuShare:
     """What one layer's decode-sized call needs to hand host-tier experts to the pool."""
 
     box: handoff.Mailbox
-    up: int  # the pool's projection ids
-    down: int
+    kind: int  # the pool's expert kind of the layer
     share: tuple[int, int]  # (numerator, denominator) of the host-tier experts taken
     gpu_map: torch.Tensor  # int32 [E]: scratch, static for graph capture
     cpu_pairs: torch.Tensor  # int32 [max pairs]
@@ -63,7 +62,7 @@ class CpuShare:
 
 
 def why_not(binding, dtype: torch.dtype) -> str | None:
-    """Why the CPU cannot take a share of this layer's host-tier experts, or None."""
+    """Why the CPU cannot take a share of this layer's host-tier experts (its weights), or None."""
     fused = binding.fused
     if fused is None:
         return f"layer {binding.layer}: not on the fused path"
@@ -78,11 +77,30 @@ def why_not(binding, dtype: torch.dtype) -> str | None:
     return None
 
 
+def activation_mismatch(pool, kind: int, activate, intermediate: int, device: torch.device) -> str | None:
+    """None when the pool's activation of `kind` agrees with `activate` (the module's, on the
+    device) on a probe of gate/up rows (within one bf16 ulp, equal in at least 99% of elements),
+    else what differs."""
+    generator = torch.Generator().manual_seed(0)
+    probe = (torch.randn(16, 2 * intermediate, generator=generator) * 4).bfloat16()  # [16, 2I], clamps exercised
+    expected = activate(probe.to(device)).float().cpu()
+    got = pool.activate(kind, probe).float()
+    if expected.shape != got.shape:
+        return f"the module's activation gives {tuple(expected.shape)}, the pool's {tuple(got.shape)}"
+    close = (got - expected).abs() <= expected.abs() * 2**-7 + 1e-30
+    equal = (got == expected).float().mean().item()
+    if not bool(close.all()) or equal < 0.99:
+        return f"the module's activation is not SiLU(gate) * up as the pool computes it ({equal:.1%} equal on a probe)"
+    return None
+
+
 class CpuExperts:
     """The pool of a decoder, and each layer's CpuShare."""
 
-    def __init__(self, config: CpuExpertsConfig, bindings: dict, *, host_address: int, host_slots: int,
-                 slot_bytes: int, max_pairs: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: CpuExpertsConfig, bindings: dict, activations: dict, *, host_address: int,
+                 host_slots: int, slot_bytes: int, max_pairs: int, device: torch.device, dtype: torch.dtype):
+        """activations: layer -> (the module's activation of gate/up rows in the fused GEMV's
+        order, the module's clamp limit or None)."""
         eligible = {}
         for layer, binding in bindings.items():
             reason = why_not(binding, dtype)
@@ -92,11 +110,9 @@ class CpuExperts:
                 log.info("CPU experts: %s; its host-tier experts are read over the link", reason)
         if not eligible:
             raise HostExpertsUnavailable("no layer's experts can be computed on the CPU (see the log)")
-        # x rows: hidden states [T, H] (gate/up), activations [P, I] (down); outputs [P, 2I], [P, H]
-        max_cols = max(max(b.fused.up[0].cols, b.fused.down.cols) for b in eligible.values())
-        max_rows = max(max(sum(w.rows for w in b.fused.up), b.fused.down.rows) for b in eligible.values())
+        hidden = max(max(b.fused.up[0].cols, b.fused.down.rows) for b in eligible.values())
         self.pool = HostExpertsPool(host_address=host_address, host_slots=host_slots, slot_bytes=slot_bytes,
-                                    max_pairs=max_pairs, max_cols=max_cols, max_rows=max_rows, threads=config.threads,
+                                    max_pairs=max_pairs, max_cols=hidden, max_rows=hidden, threads=config.threads,
                                     pinned=device.type == "cuda")
         share = Fraction(config.share).limit_denominator(64)
         box = handoff.Mailbox.of(self.pool, device)
@@ -104,11 +120,17 @@ class CpuExperts:
         self.layers: dict[int, CpuShare] = {}
         try:
             for layer, binding in eligible.items():
-                up = self.pool.add_projection(binding.fused.up)
-                down = self.pool.add_projection((binding.fused.down,))
+                activate, limit = activations[layer]
+                kind = self.pool.add_kind(binding.fused.up, binding.fused.down, limit)
+                mismatch = activation_mismatch(self.pool, kind, activate, binding.fused.down.cols, device)
+                if mismatch is not None:
+                    log.info("CPU experts: layer %d: %s; its host-tier experts are read over the link", layer, mismatch)
+                    continue
                 gpu_map = torch.empty(binding.plan.target.num_experts, dtype=torch.int32, device=device)
-                self.layers[layer] = CpuShare(box, up, down, (share.numerator, share.denominator), gpu_map, cpu_pairs,
+                self.layers[layer] = CpuShare(box, kind, (share.numerator, share.denominator), gpu_map, cpu_pairs,
                                               max_pairs)
+            if not self.layers:
+                raise HostExpertsUnavailable("no layer's activation is one the CPU experts compute (see the log)")
             self.pool.start()
         except BaseException:
             self.pool.close()
@@ -124,16 +146,14 @@ def pair_forward_shared(cpu: CpuShare, gemv, activate, x: torch.Tensor, experts:
                         slot_map: torch.Tensor, host_first: int, top_k: int, misses: torch.Tensor | None
                         ) -> torch.Tensor:
     """[P, H] down outputs of every pair (before the combine): `gemv(x, map, per_pair, first)` runs
-    the GPU's GEMVs of one projection (first: the up projection, which counts misses) over the
-    pairs whose slot in `map` is not -2, `activate(gate_up)` the module's activation."""
-    pairs = experts.shape[0]
+    the GPU's GEMVs of one projection (first: gate/up, which counts misses) over the pairs whose
+    slot in `map` is not -2, `activate(gate_up)` the module's activation; the CPU's pairs' rows
+    come from the pool."""
     assert misses is not None, "the handoff reports a late CPU as a miss: a decode step's miss counter is needed"
-    gpu_map = handoff.split_publish(cpu.box, x, experts, slot_map, host_first, cpu.share, projection=cpu.up,
+    gpu_map = handoff.split_publish(cpu.box, x, experts, slot_map, host_first, cpu.share, kind=cpu.kind,
                                     top_k=top_k, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs)
-    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: the CPU's rows still to come
-    handoff.collect(cpu.box, gate_up, cpu.cpu_pairs, misses, cpu.timeout_ns)
+    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: the CPU's pairs' rows unused
     hidden = activate(gate_up).contiguous()  # [P, I]
-    handoff.publish(cpu.box, hidden, projection=cpu.down, pairs=pairs, top_k=1)
     down = gemv(hidden, gpu_map, True, False)  # [P, H]
     handoff.collect(cpu.box, down, cpu.cpu_pairs, misses, cpu.timeout_ns)
     return down

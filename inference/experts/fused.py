@@ -87,6 +87,14 @@ def _activate(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, gate_u
     return module._apply_gate(gate_up) if plan.target.has_gate else module.act_fn(gate_up)
 
 
+def activation_of(module: torch.nn.Module, binding) -> tuple:
+    """(the module's activation of gate/up rows in the fused GEMV's order, its clamp limit or None):
+    what the CPU experts pool must reproduce (inference.experts.cpu_experts checks it on a probe)."""
+    limit = getattr(module, "limit", None)
+    limit = float(limit) if isinstance(limit, (int, float)) and not isinstance(limit, bool) else None
+    return (lambda gate_up: _activate(module, binding.plan, binding.fused, gate_up)), limit
+
+
 def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: torch.Tensor,
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slot_map: torch.Tensor,
                  arena: torch.Tensor, stride: int, misses: torch.Tensor | None = None, *,

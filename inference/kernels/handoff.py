@@ -3,10 +3,10 @@ mailbox (inference.kernels.host_experts). All device work with fixed shapes and 
 decode step that hands experts to the CPU is still one CUDA graph:
 
     box = Mailbox.of(pool, device)
-    gpu_map = split_publish(box, x, experts, merged_row, host_first, share, projection=up, top_k=k,
-                            gpu_map=..., cpu_pairs=...)      # the CPU starts on its pairs
-    y = moe_gemv(x, experts, gpu_map, ...)                    # the GPU skips them (slot -2)
-    collect(box, y, cpu_pairs, misses, timeout_ns)            # the CPU's rows into y
+    gpu_map = split_publish(box, x, experts, merged_row, host_first, share, kind=kind, top_k=k,
+                            gpu_map=..., cpu_pairs=...)      # the CPU starts on its pairs' experts
+    down = ... the GPU's GEMVs of the other pairs (slot -2 skipped), activation, GEMVs ...
+    collect(box, down, cpu_pairs, misses, timeout_ns)         # the CPU's rows into down
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def _kernels():
 
 
 def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, host_first: int,
-                  share: tuple[int, int], *, projection: int, top_k: int, gpu_map: torch.Tensor,
+                  share: tuple[int, int], *, kind: int, top_k: int, gpu_map: torch.Tensor,
                   cpu_pairs: torch.Tensor) -> torch.Tensor:
     """Hand the CPU ceil(share * n) of the n host-tier experts the pairs use (slot_map: int32 [E],
-    the merged map; experts: int64 [P]); post x [T, cols] and the job. Fills gpu_map (int32 [E]:
+    the merged map; experts: int64 [P]); post x [T, H] and the job (the pool's expert `kind`). Fills gpu_map (int32 [E]:
     slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's pairs);
     returns gpu_map."""
     pairs, n_experts = experts.shape[0], slot_map.shape[0]
@@ -74,16 +74,9 @@ def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map
     assert pairs <= box.out.shape[0] and cpu_pairs.shape[0] >= pairs
     _kernels().split_publish_kernel[(1,)](
         experts, slot_map, gpu_map, cpu_pairs, box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0],
-        x.shape[1], n_experts, pairs, host_first, share[0], share[1], projection, top_k,
+        x.shape[1], n_experts, pairs, host_first, share[0], share[1], kind, top_k,
         EP=triton_next_power_of_2(n_experts), PP=triton_next_power_of_2(pairs), BLOCK_C=SPLIT_BLOCK_C, num_warps=4)
     return gpu_map
-
-
-def publish(box: Mailbox, x: torch.Tensor, *, projection: int, pairs: int, top_k: int) -> None:
-    """Post the next projection of the same pairs: x [rows, cols] (one row per pair: top_k 1)."""
-    assert x.stride(-1) == 1 and x.shape[0] <= box.x.shape[0] and x.shape[1] <= box.x.shape[1], tuple(x.shape)
-    _kernels().publish_kernel[(1,)](box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0], x.shape[1],
-                                    projection, pairs, top_k, BLOCK_C=SPLIT_BLOCK_C, num_warps=4)
 
 
 def collect(box: Mailbox, out: torch.Tensor, cpu_pairs: torch.Tensor, misses: torch.Tensor, timeout_ns: int) -> None:

@@ -3,15 +3,14 @@
 `split_publish_kernel` (one program): picks the layer's experts the CPU computes (the lowest-id
 `take` of the host-tier experts the pairs use), writes the GPU's slot map with those marked -2
 (the GEMV skips them), a device mask of the CPU's pairs, each pair's host slot into the mailbox,
-the activation rows, the job's header, then the ticket (a system-scope release, after a barrier:
-the pool sees every input once it sees the ticket).
-`publish_kernel` (one program): the next projection of the same pairs: rows, header, ticket.
+the hidden states, the job's header, then the ticket (a system-scope release, after a barrier:
+the pool sees every input once it sees the ticket). The pool computes those experts whole.
 `collect_kernel` (a program per pair): the CPU's pairs wait until the pool reports the ticket
 done, then copy its rows into the GPU's output; a pool that does not answer in `timeout_ns`
 (or refused the job) counts a miss, so the caller redoes the step on the acquire path.
 
 The mailbox's layout is inference.kernels.host_experts's (int64 words: ticket 0, done 8,
-projection 16, pairs 17, top-k 18, slots from 24).
+expert kind 16, pairs 17, top-k 18, slots from 24).
 """
 
 from __future__ import annotations
@@ -29,15 +28,15 @@ W_SLOTS = tl.constexpr(24)
 
 
 @triton.jit
-def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, projection, pairs, top_k,
+def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, pairs, top_k,
           BLOCK_C: tl.constexpr):
-    """The activation rows, the header, then the next ticket."""
+    """The hidden states, the header, then the next ticket."""
     for r in range(x_rows):
         for c0 in range(0, cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             v = tl.load(x_ptr + r * x_stride + c, mask=c < cols)
             tl.store(xbox_ptr + r * xbox_stride + c, v, mask=c < cols)
-    tl.store(box_ptr + W_PROJECTION, projection)  # int64 words: the stores widen (scalar arguments
+    tl.store(box_ptr + W_PROJECTION, kind)  # int64 words: the stores widen (scalar arguments
     tl.store(box_ptr + W_PAIRS, pairs)  # equal to 1 arrive as constants, which have no .to)
     tl.store(box_ptr + W_TOP_K, top_k)
     tl.debug_barrier()
@@ -48,7 +47,7 @@ def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, project
 @triton.jit
 def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr, xbox_ptr, xbox_stride,
                          x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, take_num, take_den,
-                         projection, top_k, EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr):
+                         kind, top_k, EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr):
     e = tl.arange(0, EP)
     emask = e < n_experts
     slot = tl.load(map_ptr + e, mask=emask, other=-1)  # [EP] int32: merged map (host slots >= host_first)
@@ -65,13 +64,7 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr
     pair_slot = tl.sum(tl.where(hit, slot[:, None], 0), axis=0)  # [PP] the slot of the pair's one expert
     tl.store(cpu_pair_ptr + p, pair_cpu, mask=pmask)
     tl.store(box_ptr + W_SLOTS + p, tl.where(pair_cpu > 0, pair_slot - host_first, -1).to(tl.int64), mask=pmask)
-    _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, projection, pairs, top_k, BLOCK_C)
-
-
-@triton.jit
-def publish_kernel(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, projection, pairs, top_k,
-                   BLOCK_C: tl.constexpr):
-    _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, projection, pairs, top_k, BLOCK_C)
+    _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, pairs, top_k, BLOCK_C)
 
 
 @triton.jit

@@ -3,18 +3,21 @@
  *
  * The protocol (inference/kernels/host_experts.py holds the Python side, handoff_triton.py the
  * device side):
- *   the device writes a job's inputs into the mailbox (the projection id, the pairs' host slots,
- *   the activation rows in bfloat16), then the job's ticket with a system-scope release;
- *   the pool's leader sees the ticket, hands the rows of every pair with a slot >= 0 to the
- *   threads, each row is W(slot) . x[p / top_k] rounded to bfloat16 into the mailbox's output;
- *   then the leader writes `done` = ticket (or -ticket when the job named a slot outside the host
- *   tier or a projection never registered), and the device, spinning on `done`, copies them.
+ *   the device writes a job's inputs into the mailbox (the expert kind id, the pairs' host slots,
+ *   the hidden states in bfloat16), then the job's ticket with a system-scope release;
+ *   the pool's leader sees the ticket and runs, for every pair with a slot >= 0, the whole expert
+ *   in three phases the threads share: gate/up rows (W_up(slot) . x[p / top_k], into scratch),
+ *   the activation (SiLU(gate) * up, with the kind's clamp if any), the down rows into the
+ *   mailbox's output; then it writes `done` = ticket (or -ticket when the job named a slot outside
+ *   the host tier or an unknown kind), and the device, spinning on `done`, copies the rows.
  *
  * Arithmetic equals the GPU's GEMV (inference/kernels/moe_triton.py) but for the order of the
  * float32 additions: each weight dequantized as gguf-py does (no FMA contraction: build with
  * -ffp-contract=off) and rounded to bfloat16, as the resident model holds it, times x, summed in
  * float32, the sum rounded to bfloat16 (to nearest even). MXFP4 weights are exact in bfloat16
  * already (a 4-bit value times a power of two), so their blocks are summed first and scaled once.
+ * The activation rounds where torch's bfloat16 ops do (clamp, SiLU, the product); the caller
+ * checks it against the module's own on a probe before it lets the pool compute a layer.
  *
  * Kernels: AVX-512 BF16 (dot products of bfloat16 pairs into float32), else AVX2 + FMA, else
  * plain C; host_experts_kernel() names the one compiled.
@@ -24,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -48,6 +52,14 @@ typedef struct {
     segment_t seg[MAX_SEGMENTS];
 } projection_t;
 
+typedef struct {
+    projection_t up, down;  /* up: gate rows then up rows (2I); down: H rows of I columns */
+    int32_t has_limit;
+    float limit;  /* gate clamped to <= limit, up to [-limit, limit] (e.g. DeepSeek-V4's swiglu_limit) */
+} expert_kind_t;
+
+enum { PHASE_PROJECT = 0, PHASE_ACTIVATE = 1, ACTIVATE_CHUNK = 256 };
+
 typedef struct pool pool_t;
 typedef struct { pool_t *pool; int id; } worker_t;
 
@@ -56,17 +68,27 @@ struct pool {
     int64_t max_pairs, x_offset, x_stride, out_offset, out_stride;  /* bytes; strides in elements */
     const uint8_t *host;  /* host slot 0 */
     int64_t host_slots, slot_bytes;
-    projection_t *projections;
-    int32_t projection_count, projection_capacity;
+    expert_kind_t *kinds;
+    int32_t kind_count, kind_capacity;
+    uint16_t *gate_up, *hidden;  /* scratch: [max_pairs, up_stride], [max_pairs, hidden_stride] */
+    int64_t up_stride, hidden_stride;
     int threads;
     pthread_t *handles;
     worker_t *workers;
-    /* the job being served: written by the leader before it publishes `job` (release) */
-    int64_t job_pairs[1024], job_count, job_items, job_items_per_pair, job_top_k;
+    /* the phase being served: written by the leader before it publishes `job` (release) */
+    int64_t job_pairs[1024], job_count, job_items, job_items_per_pair;
+    int32_t job_phase;
+    const expert_kind_t *job_kind;
     const projection_t *job_projection;
-    _Atomic int64_t job;        /* the ticket being served (0: none yet) */
-    _Atomic uint64_t claim;     /* (job's low 32 bits) << 32 | next item */
-    _Atomic int64_t finished;   /* items of the job completed */
+    const uint16_t *job_x;           /* x row of pair p: job_x + (p / job_x_div) * job_x_stride */
+    int64_t job_x_div, job_x_stride;
+    uint16_t *job_out;               /* output row of pair p: job_out + p * job_out_stride */
+    int64_t job_out_stride;
+    int64_t phase_seq;               /* the leader's count of phases */
+    int64_t start_ticket;            /* the mailbox's ticket when the threads started */
+    _Atomic int64_t job;        /* the phase being served (0: none yet) */
+    _Atomic uint64_t claim;     /* (phase's low 32 bits) << 32 | next item */
+    _Atomic int64_t finished;   /* items of the phase completed */
     _Atomic int stop;
     _Atomic int sleepers;
     pthread_mutex_t mutex;
@@ -312,17 +334,38 @@ static void project_rows(const projection_t *projection, const uint8_t *object, 
 /* ---------------------------------------------------------------------------------------------- */
 /* the pool                                                                                         */
 
-/* Item i of the job: rows [ITEM_ROWS * (i % per_pair), ...) of the (i / per_pair)-th computed pair. */
-static void run_item(pool_t *p, int64_t item) {
-    const int64_t pair = p->job_pairs[item / p->job_items_per_pair];
-    const int64_t first = (item % p->job_items_per_pair) * ITEM_ROWS;
-    const int64_t slot = word(p, W_SLOTS)[pair];
-    const uint16_t *x = (const uint16_t *)(p->mailbox + p->x_offset) + (pair / p->job_top_k) * p->x_stride;
-    uint16_t *out = (uint16_t *)(p->mailbox + p->out_offset) + pair * p->out_stride;
-    project_rows(p->job_projection, p->host + slot * p->slot_bytes, x, first, ITEM_ROWS, out);
+/* SiLU(gate) * up of one element, rounded where torch's bfloat16 ops round */
+static inline uint16_t activate_one(const expert_kind_t *kind, uint16_t gate, uint16_t up) {
+    float g = bf16_to_float(gate), u = bf16_to_float(up);
+    if (kind->has_limit) {
+        g = round_bf16(g < kind->limit ? g : kind->limit);
+        u = round_bf16(u < kind->limit ? (u > -kind->limit ? u : -kind->limit) : kind->limit);
+    }
+    const float silu = round_bf16(g / (1.0f + expf(-g)));
+    return float_to_bf16(silu * u);
 }
 
-/* Claim and run items of job `job` until none is left (or another job began). */
+/* hidden[0, n) from a gate/up row of 2n: gate first, up second */
+static void activate_row(const expert_kind_t *kind, const uint16_t *gate_up, int64_t n, int64_t first, int64_t count,
+                         uint16_t *hidden) {
+    for (int64_t i = first; i < first + count && i < n; i++) hidden[i] = activate_one(kind, gate_up[i], gate_up[n + i]);
+}
+
+/* Item i of the phase: rows (or activations) [ITEM_ROWS * (i % per_pair), ...) of the (i / per_pair)-th pair. */
+static void run_item(pool_t *p, int64_t item) {
+    const int64_t pair = p->job_pairs[item / p->job_items_per_pair];
+    const int64_t part = item % p->job_items_per_pair;
+    const uint16_t *x = p->job_x + (pair / p->job_x_div) * p->job_x_stride;
+    uint16_t *out = p->job_out + pair * p->job_out_stride;
+    if (p->job_phase == PHASE_ACTIVATE) {
+        activate_row(p->job_kind, x, p->job_kind->down.cols, part * ACTIVATE_CHUNK, ACTIVATE_CHUNK, out);
+        return;
+    }
+    const int64_t slot = word(p, W_SLOTS)[pair];
+    project_rows(p->job_projection, p->host + slot * p->slot_bytes, x, part * ITEM_ROWS, ITEM_ROWS, out);
+}
+
+/* Claim and run items of phase `job` until none is left (or another phase began). */
 static void serve(pool_t *p, int64_t job) {
     const uint64_t tag = (uint64_t)(uint32_t)job << 32;
     for (;;) {
@@ -336,11 +379,10 @@ static void serve(pool_t *p, int64_t job) {
     }
 }
 
-/* Read the job of `ticket` from the mailbox; 0 when it is malformed (then nothing is computed). */
+/* Read the job from the mailbox; 0 when it is malformed (then nothing is computed). */
 static int prepare(pool_t *p) {
-    const int64_t projection = word(p, W_PROJECTION)[0], pairs = word(p, W_PAIRS)[0], top_k = word(p, W_TOP_K)[0];
-    if (projection < 0 || projection >= p->projection_count || pairs < 0 || pairs > p->max_pairs || top_k < 1)
-        return 0;
+    const int64_t kind = word(p, W_PROJECTION)[0], pairs = word(p, W_PAIRS)[0], top_k = word(p, W_TOP_K)[0];
+    if (kind < 0 || kind >= p->kind_count || pairs < 0 || pairs > p->max_pairs || top_k < 1) return 0;
     int64_t count = 0;
     for (int64_t i = 0; i < pairs; i++) {
         const int64_t slot = word(p, W_SLOTS)[i];
@@ -348,18 +390,51 @@ static int prepare(pool_t *p) {
         if (slot >= p->host_slots) return 0;
         p->job_pairs[count++] = i;
     }
-    p->job_projection = &p->projections[projection];
-    p->job_top_k = top_k;
+    p->job_kind = &p->kinds[kind];
     p->job_count = count;
-    p->job_items_per_pair = (p->job_projection->rows + ITEM_ROWS - 1) / ITEM_ROWS;
-    p->job_items = count * p->job_items_per_pair;
     return 1;
+}
+
+/* One phase over the job's pairs, shared with the threads; returns once every item is done. */
+static void run_phase(pool_t *p, int32_t phase, const projection_t *projection, const uint16_t *x, int64_t x_div,
+                      int64_t x_stride, uint16_t *out, int64_t out_stride) {
+    p->job_phase = phase;
+    p->job_projection = projection;
+    p->job_x = x;
+    p->job_x_div = x_div;
+    p->job_x_stride = x_stride;
+    p->job_out = out;
+    p->job_out_stride = out_stride;
+    const int64_t length = phase == PHASE_ACTIVATE ? p->job_kind->down.cols : projection->rows;
+    const int64_t chunk = phase == PHASE_ACTIVATE ? ACTIVATE_CHUNK : ITEM_ROWS;
+    p->job_items_per_pair = (length + chunk - 1) / chunk;
+    p->job_items = p->job_count * p->job_items_per_pair;
+    const int64_t seq = ++p->phase_seq;
+    atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->claim, (uint64_t)(uint32_t)seq << 32, memory_order_release);
+    atomic_store_explicit(&p->job, seq, memory_order_release);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mutex);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mutex);
+    }
+    serve(p, seq);
+    while (atomic_load_explicit(&p->finished, memory_order_acquire) < p->job_items) PAUSE();
+}
+
+static void run_job(pool_t *p) {
+    const expert_kind_t *kind = p->job_kind;
+    const uint16_t *x = (const uint16_t *)(p->mailbox + p->x_offset);
+    uint16_t *out = (uint16_t *)(p->mailbox + p->out_offset);
+    run_phase(p, PHASE_PROJECT, &kind->up, x, word(p, W_TOP_K)[0], p->x_stride, p->gate_up, p->up_stride);
+    run_phase(p, PHASE_ACTIVATE, NULL, p->gate_up, 1, p->up_stride, p->hidden, p->hidden_stride);
+    run_phase(p, PHASE_PROJECT, &kind->down, p->hidden, 1, p->hidden_stride, out, p->out_stride);
 }
 
 static const int64_t SPIN_NS = 5000000;  /* spin this long after a job before sleeping */
 
 static void lead(pool_t *p) {
-    int64_t last = atomic_load(&p->job), idle_since = now_ns();
+    int64_t last = p->start_ticket, idle_since = now_ns();
     while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
         const int64_t ticket = __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE);
         if (ticket == last) {
@@ -379,16 +454,7 @@ static void lead(pool_t *p) {
             idle_since = now_ns();
             continue;
         }
-        atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
-        atomic_store_explicit(&p->claim, (uint64_t)(uint32_t)ticket << 32, memory_order_release);
-        atomic_store_explicit(&p->job, ticket, memory_order_release);
-        if (atomic_load(&p->sleepers) > 0) {
-            pthread_mutex_lock(&p->mutex);
-            pthread_cond_broadcast(&p->wake);
-            pthread_mutex_unlock(&p->mutex);
-        }
-        serve(p, ticket);
-        while (atomic_load_explicit(&p->finished, memory_order_acquire) < p->job_items) PAUSE();
+        run_job(p);
         __atomic_store_n(word(p, W_DONE), ticket, __ATOMIC_RELEASE);
         idle_since = now_ns();
         atomic_fetch_add(&p->jobs, 1);
@@ -450,33 +516,74 @@ pool_t *host_experts_create(uint8_t *mailbox, int64_t max_pairs, int64_t x_offse
     return p;
 }
 
-/* Register a projection (before start); its id, or -1 when malformed. kinds/rows/... : one entry
- * per segment, the segments' rows concatenated make the output row. */
-int32_t host_experts_add_projection(pool_t *p, int32_t segments, const int32_t *kinds, const int64_t *rows,
-                                    const int64_t *row_bytes, const int64_t *first_offsets,
-                                    const int64_t *second_offsets, const int64_t *splits, int64_t cols) {
-    if (p->handles != NULL || segments < 1 || segments > MAX_SEGMENTS || cols < 1) return -1;
-    projection_t projection = {.segments = segments, .cols = cols, .rows = 0};
+static int make_projection(projection_t *projection, int32_t segments, const int32_t *kinds, const int64_t *rows,
+                           const int64_t *row_bytes, const int64_t *first_offsets, const int64_t *second_offsets,
+                           const int64_t *splits, int64_t cols) {
+    if (segments < 1 || segments > MAX_SEGMENTS || cols < 1) return 0;
+    *projection = (projection_t){.segments = segments, .cols = cols, .rows = 0};
     for (int i = 0; i < segments; i++) {
         const int64_t block = kinds[i] == KIND_Q4_K ? 256 : kinds[i] == KIND_MXFP4 ? 32 : 0;
-        if (block == 0 || cols % block || rows[i] < 1 || splits[i] < 0 || splits[i] > rows[i]) return -1;
-        projection.seg[i] = (segment_t){kinds[i], rows[i], row_bytes[i], first_offsets[i], second_offsets[i], splits[i]};
-        projection.rows += rows[i];
+        if (block == 0 || cols % block || rows[i] < 1 || splits[i] < 0 || splits[i] > rows[i]) return 0;
+        projection->seg[i] = (segment_t){kinds[i], rows[i], row_bytes[i], first_offsets[i], second_offsets[i], splits[i]};
+        projection->rows += rows[i];
     }
-    if (p->projection_count == p->projection_capacity) {
-        const int32_t capacity = p->projection_capacity ? 2 * p->projection_capacity : 16;
-        projection_t *grown = realloc(p->projections, (size_t)capacity * sizeof(projection_t));
+    return 1;
+}
+
+/* Register an expert kind (before start): segments [0, up_segments) make the gate/up projection
+ * (hidden columns), the last one the down projection (intermediate columns); has_limit/limit the
+ * activation's clamp. Its id, or -1 when malformed. */
+int32_t host_experts_add_kind(pool_t *p, int32_t up_segments, const int32_t *kinds, const int64_t *rows,
+                              const int64_t *row_bytes, const int64_t *first_offsets, const int64_t *second_offsets,
+                              const int64_t *splits, int64_t hidden, int64_t intermediate, int32_t has_limit,
+                              float limit) {
+    expert_kind_t kind = {.has_limit = has_limit, .limit = limit};
+    const int u = up_segments;
+    if (p->handles != NULL ||
+        !make_projection(&kind.up, u, kinds, rows, row_bytes, first_offsets, second_offsets, splits, hidden) ||
+        !make_projection(&kind.down, 1, kinds + u, rows + u, row_bytes + u, first_offsets + u, second_offsets + u,
+                         splits + u, intermediate) ||
+        kind.up.rows != 2 * intermediate || kind.down.rows != hidden || hidden > p->x_stride ||
+        hidden > p->out_stride)
+        return -1;
+    if (kind.up.rows > p->up_stride || intermediate > p->hidden_stride) {  /* grow the scratch */
+        const int64_t up_stride = kind.up.rows > p->up_stride ? kind.up.rows : p->up_stride;
+        const int64_t hidden_stride = intermediate > p->hidden_stride ? intermediate : p->hidden_stride;
+        uint16_t *gate_up = calloc((size_t)(p->max_pairs * up_stride), sizeof(uint16_t));
+        uint16_t *act = calloc((size_t)(p->max_pairs * hidden_stride), sizeof(uint16_t));
+        if (gate_up == NULL || act == NULL) { free(gate_up); free(act); return -1; }
+        free(p->gate_up);
+        free(p->hidden);
+        p->gate_up = gate_up;
+        p->hidden = act;
+        p->up_stride = up_stride;
+        p->hidden_stride = hidden_stride;
+    }
+    if (p->kind_count == p->kind_capacity) {
+        const int32_t capacity = p->kind_capacity ? 2 * p->kind_capacity : 16;
+        expert_kind_t *grown = realloc(p->kinds, (size_t)capacity * sizeof(expert_kind_t));
         if (grown == NULL) return -1;
-        p->projections = grown;
-        p->projection_capacity = capacity;
+        p->kinds = grown;
+        p->kind_capacity = capacity;
     }
-    p->projections[p->projection_count] = projection;
-    return p->projection_count++;
+    p->kinds[p->kind_count] = kind;
+    return p->kind_count++;
+}
+
+/* The activation of `rows` gate/up rows of kind `id` on the calling thread (the caller's check
+ * of it against the module's own); -1 for an unknown kind. */
+int host_experts_activate(pool_t *p, int32_t id, int64_t rows, const uint16_t *gate_up, uint16_t *hidden) {
+    if (id < 0 || id >= p->kind_count) return -1;
+    const expert_kind_t *kind = &p->kinds[id];
+    const int64_t n = kind->down.cols;
+    for (int64_t r = 0; r < rows; r++) activate_row(kind, gate_up + r * 2 * n, n, 0, n, hidden + r * n);
+    return 0;
 }
 
 int host_experts_start(pool_t *p, int threads) {
     if (p->handles != NULL || threads < 1) return -1;
-    atomic_store(&p->job, __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE));
+    /* read here, not by the leader once it runs: a job posted before that must still be served */
+    p->start_ticket = __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE);
     p->handles = calloc((size_t)threads, sizeof(pthread_t));
     p->workers = calloc((size_t)threads, sizeof(worker_t));
     if (p->handles == NULL || p->workers == NULL) return -1;
@@ -509,7 +616,9 @@ void host_experts_destroy(pool_t *p) {
     for (int i = 0; i < p->threads; i++) pthread_join(p->handles[i], NULL);
     free(p->handles);
     free(p->workers);
-    free(p->projections);
+    free(p->kinds);
+    free(p->gate_up);
+    free(p->hidden);
     pthread_mutex_destroy(&p->mutex);
     pthread_cond_destroy(&p->wake);
     free(p);

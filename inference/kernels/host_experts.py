@@ -7,15 +7,17 @@ hands a job to the pool through a mailbox in page-locked host memory and spins u
 reports it done (inference.kernels.handoff launches the device side):
 
     pool = HostExpertsPool(host_address=..., host_slots=..., slot_bytes=..., max_pairs=64,
-                           max_cols=2048, max_rows=1536, threads=12)
-    up = pool.add_projection(fused.up)          # the layer's gate/up GemvWeights, concatenated
+                           max_cols=2048, max_rows=2048, threads=12)
+    kind = pool.add_kind(fused.up, fused.down, limit=None)   # a layer's gate/up and down GemvWeights
     pool.start()
-    out = pool.run(up, slots=[3, -1], x=x, top_k=2)   # host-side job (tests): [pairs, rows] bf16
+    out = pool.run(kind, slots=[3, -1], x=x, top_k=2)      # host-side job (tests): [pairs, H] bf16
 
-Mailbox (bytes): int64 words [0, 256): the ticket (word 0, written last by the device), `done`
-(word 8, the pool), the projection id, pair count and top-k (words 16-18), then each pair's host
-slot (-1: not the CPU's) from word 24 on; then x rows (bfloat16 [max_pairs, max_cols]) and the
-outputs (bfloat16 [max_pairs, max_rows]).
+The pool computes whole experts (gate/up, the activation, down): one handoff a layer.
+
+Mailbox (bytes): int64 words: the ticket (word 0, written last by the device), `done` (word 8,
+the pool), the expert kind id, pair count and top-k (words 16-18), then each pair's host slot (-1:
+not the CPU's) from word 24 on; then x rows (bfloat16 [max_pairs, max_cols]: hidden states) and
+the outputs (bfloat16 [max_pairs, max_rows]: the experts' down rows).
 
 The library is compiled on first use with the system C compiler for this CPU (-march=native) and
 cached by the hash of its source and flags; HostExpertsUnavailable names what is missing.
@@ -77,8 +79,10 @@ def build_library(cache_dir: Path | None = None, march: str = "native") -> ctype
     lib.host_experts_kernel.argtypes = []
     lib.host_experts_create.restype = p
     lib.host_experts_create.argtypes = [p, i64, i64, i64, i64, i64, p, i64, i64]
-    lib.host_experts_add_projection.restype = i32
-    lib.host_experts_add_projection.argtypes = [p, i32, p, p, p, p, p, p, i64]
+    lib.host_experts_add_kind.restype = i32
+    lib.host_experts_add_kind.argtypes = [p, i32, p, p, p, p, p, p, i64, i64, i32, ctypes.c_float]
+    lib.host_experts_activate.restype = ctypes.c_int
+    lib.host_experts_activate.argtypes = [p, i32, i64, p, p]
     lib.host_experts_start.restype = ctypes.c_int
     lib.host_experts_start.argtypes = [p, ctypes.c_int]
     lib.host_experts_stats.restype = None
@@ -108,7 +112,7 @@ class HostExpertsStats:
 
 class HostExpertsPool:
     """The pool's threads, its mailbox (page-locked where CUDA is available, so the device writes
-    and reads it in place) and the projections it knows."""
+    and reads it in place) and the expert kinds it knows."""
 
     def __init__(self, *, host_address: int, host_slots: int, slot_bytes: int, max_pairs: int, max_cols: int,
                  max_rows: int, threads: int, pinned: bool | None = None, cache_dir: Path | None = None):
@@ -137,29 +141,43 @@ class HostExpertsPool:
                                                   slot_bytes)
         if not self._pool:
             raise HostExpertsUnavailable("host_experts_create failed")
-        self.projection_rows: list[int] = []
+        self.kind_rows: list[int] = []  # each kind's output row (down rows, H)
+        self.kind_intermediate: list[int] = []
         self.started = False
 
-    def add_projection(self, weights: Sequence[GemvWeight]) -> int:
-        """Register a projection made of `weights` (their rows concatenated, in order); its id."""
-        why = readable(weights)
+    def add_kind(self, up: Sequence[GemvWeight], down: GemvWeight, limit: float | None = None) -> int:
+        """Register a layer's experts: `up` the gate/up weights (gate rows then up rows, 2I), `down`
+        [H, I]; the activation SiLU(gate) * up, with gate clamped to <= limit and up to [-limit,
+        limit] when a limit is given. Its id."""
+        weights = (*up, down)
+        why = readable(up) or readable((down,))
         if why is not None:
             raise HostExpertsUnavailable(f"the CPU experts kernels cannot read {why}")
-        rows = sum(w.rows for w in weights)
-        if weights[0].cols > self.max_cols or rows > self.max_rows:
-            raise HostExpertsUnavailable(f"a projection of {rows} x {weights[0].cols} does not fit the mailbox's "
-                                         f"{self.max_rows} x {self.max_cols}")
+        hidden, intermediate = up[0].cols, down.cols
+        if hidden > self.max_cols or down.rows > self.max_rows:
+            raise HostExpertsUnavailable(f"experts of hidden size {hidden} (down rows {down.rows}) do not fit the "
+                                         f"mailbox's {self.max_rows} x {self.max_cols}")
         n = len(weights)
         arrays = [(ctypes.c_int32 * n)(*[KINDS[w.element_type] for w in weights])]
         for field in ("rows", "row_bytes", "first_offset", "second_offset", "split"):
             arrays.append((ctypes.c_int64 * n)(*[getattr(w, field) for w in weights]))
-        projection = self.lib.host_experts_add_projection(self._pool, n, *[ctypes.addressof(a) for a in arrays],
-                                                          weights[0].cols)
-        if projection < 0:
-            raise HostExpertsUnavailable(f"the pool refused a projection of {rows} x {weights[0].cols} "
-                                         f"(started: {self.started})")
-        self.projection_rows.append(rows)
-        return projection
+        kind = self.lib.host_experts_add_kind(self._pool, len(up), *[ctypes.addressof(a) for a in arrays], hidden,
+                                              intermediate, limit is not None, 0.0 if limit is None else limit)
+        if kind < 0:
+            raise HostExpertsUnavailable(f"the pool refused experts of gate/up {sum(w.rows for w in up)} x {hidden}, "
+                                         f"down {down.rows} x {intermediate} (started: {self.started})")
+        self.kind_rows.append(down.rows)
+        self.kind_intermediate.append(intermediate)
+        return kind
+
+    def activate(self, kind: int, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16 [n, I]: the pool's activation of gate/up rows (bf16 [n, 2I]) on this thread."""
+        gate_up = gate_up.to("cpu", torch.bfloat16).contiguous()
+        out = torch.empty(gate_up.shape[0], self.kind_intermediate[kind], dtype=torch.bfloat16)
+        assert gate_up.shape[1] == 2 * out.shape[1]
+        if self.lib.host_experts_activate(self._pool, kind, gate_up.shape[0], gate_up.data_ptr(), out.data_ptr()):
+            raise HostExpertsUnavailable(f"unknown expert kind {kind}")
+        return out
 
     def start(self) -> None:
         if self.lib.host_experts_start(self._pool, self.threads) != 0:
@@ -171,16 +189,17 @@ class HostExpertsPool:
         self.lib.host_experts_stats(self._pool, ctypes.addressof(out))
         return HostExpertsStats(out[0], out[1], out[2] / 1e9)
 
-    def run(self, projection: int, slots: Sequence[int], x: torch.Tensor, top_k: int,
+    def run(self, kind: int, slots: Sequence[int], x: torch.Tensor, top_k: int,
             timeout: float = 10.0) -> torch.Tensor:
-        """One job from the host (tests and tools; the device posts its own): bf16 [pairs, rows]
-        with row p = W(host slot slots[p]) . x[p // top_k] where slots[p] >= 0 (others untouched)."""
+        """One job from the host (tests and tools; the device posts its own): bf16 [pairs, H] with
+        row p = the expert at host slot slots[p] applied to x[p // top_k] where slots[p] >= 0
+        (other rows untouched)."""
         pairs = len(slots)
         assert self.started and 0 < pairs <= self.max_pairs and x.dtype == torch.bfloat16
         self.x[: x.shape[0], : x.shape[1]] = x
         words = self.words
         words[W_SLOTS:W_SLOTS + pairs] = torch.tensor(list(slots), dtype=torch.int64)
-        words[W_PROJECTION], words[W_PAIRS], words[W_TOP_K] = projection, pairs, top_k
+        words[W_PROJECTION], words[W_PAIRS], words[W_TOP_K] = kind, pairs, top_k
         ticket = int(words[W_TICKET]) + 1
         words[W_TICKET] = ticket  # after the inputs: a plain store, ordered on x86
         deadline = time.monotonic() + timeout
@@ -190,8 +209,8 @@ class HostExpertsPool:
             time.sleep(0)
         if int(words[W_DONE]) == -ticket:
             raise HostExpertsUnavailable(f"the CPU experts pool refused job {ticket} (a slot outside the host tier "
-                                         "or an unknown projection)")
-        return self.out[:pairs, : self.projection_rows[projection]].clone()
+                                         "or an unknown expert kind)")
+        return self.out[:pairs, : self.kind_rows[kind]].clone()
 
     def close(self) -> None:
         """Stop the threads (the device must not post jobs any more)."""

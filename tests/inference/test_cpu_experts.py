@@ -90,13 +90,13 @@ def pools():
 
 def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000):
     pool = HostExpertsPool(host_address=layer.tier.data_ptr(), host_slots=EXPERTS - VRAM_SLOTS,
-                           slot_bytes=layer.slot_bytes, max_pairs=16, max_cols=HIDDEN, max_rows=2 * INTER, threads=2,
+                           slot_bytes=layer.slot_bytes, max_pairs=16, max_cols=HIDDEN, max_rows=HIDDEN, threads=2,
                            pinned=DEVICE == "cuda")
     pools.append(pool)
-    up, down = pool.add_projection((layer.up,)), pool.add_projection((layer.down,))
+    kind = pool.add_kind((layer.up,), layer.down)
     if start:
         pool.start()
-    cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), up, down, share,
+    cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), kind, share,
                    torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE),
                    torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns)
     return pool, cpu
@@ -123,10 +123,12 @@ def test_shared_call_equals_the_gpu_alone(pools, element_type, tokens):
     assert cpu.gpu_map.cpu().tolist() == [-2 if e in taken else s for e, s in enumerate(layer.slot_map.tolist())]
     on_cpu = [int(e) in taken for e in experts.tolist()]
     assert cpu.cpu_pairs[: len(on_cpu)].cpu().tolist() == [int(c) for c in on_cpu]
-    assert pool.stats().jobs == 2  # gate/up, then down
+    assert pool.stats().jobs == 1  # one handoff a layer: the CPU computes its experts whole
     got, expected = got.float().cpu(), expected.float().cpu()
     gpu_rows = torch.tensor([not c for c in on_cpu])
     assert torch.equal(got[gpu_rows], expected[gpu_rows])  # the GPU's own rows: the same kernels
+    # the CPU's: its summation order and exponential; one rounding apart can move a row by a bf16 ulp
+    # of an intermediate, hence the bound on the largest output
     scale = expected.abs().amax(dim=1, keepdim=True)
     assert torch.all((got - expected).abs() <= scale * 2**-6), "CPU rows beyond bf16 rounding of the GPU's"
     assert (got == expected).float().mean() >= 0.5
