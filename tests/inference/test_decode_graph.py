@@ -217,10 +217,10 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
             decoder.close()
     finally:
         daemon.stop()
-    assert first == eager_tokens and second == eager_tokens
-    assert shared_layers == len(decoder.bindings)
-    assert decoder.redone_steps == redone and decoder.lookup_steps - lookups == TOKENS - 1
-    assert stats.jobs - jobs == shared_layers * (TOKENS - 1) and stats.failed_jobs == 0
+    assert shared_layers == len(decoder.bindings), (shared_layers, len(decoder.bindings))
+    assert (decoder.redone_steps, decoder.lookup_steps - lookups) == (redone, TOKENS - 1)
+    assert (stats.jobs - jobs, stats.failed_jobs) == (shared_layers * (TOKENS - 1), 0)
+    assert (first, second) == (eager_tokens, eager_tokens)
 
 
 def test_cpu_experts_are_refused_without_a_host_tier(qwen_case):
