@@ -9,6 +9,8 @@
                     the slot map
   storaged_preload  storaged as above started with --preload (both tiers filled at start, while it serves),
                     timed once the preload ended: the first request after an operator's restart
+  storaged_preload_cpu  storaged_preload with CPU threads computing a share of each decode step's host-tier
+                    experts (inference.experts.cpu_experts; CUDA and a host tier only, skipped otherwise)
   storaged_no_lookahead  storaged as above without lookahead hints: what the hints cost or save in SSD
                     bytes and time
   storaged_copy_up  storaged as above, but host-tier experts copied up to VRAM by an Acquire (the daemon's
