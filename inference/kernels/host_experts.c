@@ -163,14 +163,12 @@ static inline void q4k_scale_min(int j, const uint8_t *q, float *scale, float *m
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define KERNEL_NAME "avx512bf16"
-/* 16 weights of one nibble half (shift 0 or 4) of 16 bytes, dequantized: ds * q - dm */
-static inline __m512 q4k_weights(__m128i bytes, int shift, __m512 ds, __m512 dm) {
-    __m512i q = _mm512_cvtepu8_epi32(bytes);
-    q = _mm512_and_si512(_mm512_srli_epi32(q, shift), _mm512_set1_epi32(0xF));
-    return _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), ds), dm);
-}
-
 static float q4k_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
+    /* A sub-block's 32 weights take 16 values: ds * q - dm for q = 0..15. Both sub-blocks of a
+     * 32-byte chunk are dequantized as a table of 32 bf16 words (the same multiply, subtract and
+     * rounding as weight by weight, done once per value), then looked up by nibble (vpermw). */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low = _mm512_set1_epi16(0xF), high = _mm512_set1_epi16(16);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < cols / 256; b++) {
         const uint8_t *block = row + b * 144;  /* [144] bytes: d, dmin, scales[12], qs[128] */
@@ -181,13 +179,14 @@ static float q4k_row(const uint8_t *row, int64_t cols, const uint16_t *x) {
             float s1, m1, s2, m2;
             q4k_scale_min(2 * j, scales, &s1, &m1);
             q4k_scale_min(2 * j + 1, scales, &s2, &m2);
-            const __m512 ds1 = _mm512_set1_ps(d * s1), dm1 = _mm512_set1_ps(dmin * m1);
-            const __m512 ds2 = _mm512_set1_ps(d * s2), dm2 = _mm512_set1_ps(dmin * m2);
-            const __m128i lo = _mm_loadu_si128((const __m128i *)qs), hi = _mm_loadu_si128((const __m128i *)(qs + 16));
-            __m512bh w = _mm512_cvtne2ps_pbh(q4k_weights(hi, 0, ds1, dm1), q4k_weights(lo, 0, ds1, dm1));
-            acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb));
-            w = _mm512_cvtne2ps_pbh(q4k_weights(hi, 4, ds2, dm2), q4k_weights(lo, 4, ds2, dm2));
-            acc = _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512(xb + 32));
+            const __m512 first = _mm512_sub_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d * s1)), _mm512_set1_ps(dmin * m1));
+            const __m512 second = _mm512_sub_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d * s2)), _mm512_set1_ps(dmin * m2));
+            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  /* words 0..15: 2j's, 16..31: 2j+1's */
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)qs));  /* [32] bytes as words */
+            const __m512i w_low = _mm512_permutexvar_epi16(_mm512_and_si512(q, low), table);
+            const __m512i w_high = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(q, 4), high), table);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)w_low, (__m512bh)_mm512_loadu_si512(xb));
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)w_high, (__m512bh)_mm512_loadu_si512(xb + 32));
         }
     }
     return _mm512_reduce_add_ps(acc);
