@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,19 +56,12 @@ class KernelUnavailable(RuntimeError):
 def build_kernel(cache_dir: Path, march: str = "native") -> ctypes.CDLL:
     """Compiles q4k_gemv.c for `march` (native: AVX2 and FMA where the CPU has them, else the
     portable loop) once per source and flags (cached by their hash) and loads it."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
-    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    library = cache_dir / f"q4k_gemv-{digest}.so"
-    if not library.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.partial")
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
-        partial.replace(library)
+    from inference.kernels.host_experts import HostExpertsUnavailable, compile_library
+
+    try:
+        library = compile_library(SOURCE, ["-O3", f"-march={march}", "-fopenmp"], cache_dir)
+    except HostExpertsUnavailable as exc:
+        raise KernelUnavailable(str(exc)) from None
     kernel = ctypes.CDLL(str(library))
     kernel.q4k_gemv_many.restype = None
     kernel.q4k_gemv_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -56,23 +56,30 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "expertpack" / "host_experts"
 
 
-def build_library(cache_dir: Path | None = None, march: str = "native") -> ctypes.CDLL:
-    """host_experts.c compiled for `march` (once per source and flags) and loaded."""
+def compile_library(source: Path, flags: Sequence[str], cache_dir: Path) -> Path:
+    """`source` compiled with the system C compiler and `flags` into a shared library, once per
+    source, compiler and flags (cached in `cache_dir` by their hash); its path."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise HostExpertsUnavailable("no C compiler (cc or gcc) on PATH to build the CPU experts kernels")
-    # -ffp-contract=off: weights dequantize as gguf-py does, a multiply then a subtract, no FMA
-    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
-    cache_dir = cache_dir or default_cache_dir()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    library = cache_dir / f"host_experts-{digest}.so"
+        raise HostExpertsUnavailable(f"no C compiler (cc or gcc) on PATH to build {source.name}")
+    flags = [*flags, "-shared", "-fPIC"]
+    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    library = cache_dir / f"{source.stem}-{digest}.so"
     if not library.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.partial")
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise HostExpertsUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise HostExpertsUnavailable(f"{compiler} failed on {source.name}: {done.stderr.strip()[-500:]}")
         partial.replace(library)
+    return library
+
+
+def build_library(cache_dir: Path | None = None, march: str = "native") -> ctypes.CDLL:
+    """host_experts.c compiled for `march` (once per source and flags) and loaded."""
+    # -ffp-contract=off: weights dequantize as gguf-py does, a multiply then a subtract, no FMA
+    library = compile_library(SOURCE, ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"],
+                              cache_dir or default_cache_dir())
     lib = ctypes.CDLL(str(library))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.host_experts_kernel.restype = ctypes.c_char_p

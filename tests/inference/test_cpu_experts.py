@@ -11,50 +11,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_host_experts import HIDDEN, host_tier
 
 from inference.experts.cpu_experts import CpuExpertsConfig, CpuShare, pair_forward_shared
 from inference.kernels import handoff
 from inference.kernels.host_experts import HostExpertsPool
-from inference.kernels.ops import HostSlots, gemv_weight, moe_gemv
-from packformat import ElementType, Role, RoleEntry
-from packformat.constants import tensor_nbytes
-from packtools.quants import random_blocks
+from inference.kernels.ops import HostSlots, moe_gemv
+from packformat import ElementType
 
 pytest.importorskip("triton")
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                  reason="no C compiler to build the CPU kernels"),
               pytest.mark.usefixtures("one_thread")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HIDDEN, INTER, EXPERTS, TOP_K = 256, 256, 8, 4
+EXPERTS, TOP_K = 8, 4
 VRAM_SLOTS = 3  # experts 0..2 in the arena, 3..7 in the host tier
-
-
-def _objects(element_type, count, rng):
-    """(uint8 [count * slot bytes], slot bytes, up weight, down weight): objects of gate [I, H],
-    up [I, H], down [H, I] roles."""
-    shapes = [(Role.GATE, (INTER, HIDDEN)), (Role.UP, (INTER, HIDDEN)), (Role.DOWN, (HIDDEN, INTER))]
-    entries, offset = [], 0
-    for role, shape in shapes:
-        nbytes = tensor_nbytes(element_type, shape)
-        entries.append(RoleEntry(role, int(element_type), offset, nbytes, shape))
-        offset = -(-(offset + nbytes) // 256) * 256
-    slot_bytes = -(-offset // 4096) * 4096
-    data = torch.zeros(count * slot_bytes, dtype=torch.uint8)
-    for slot in range(count):
-        for e in entries:
-            blocks = random_blocks(element_type, e.shape, rng).reshape(-1)
-            start = slot * slot_bytes + e.offset
-            data[start:start + e.nbytes] = torch.from_numpy(np.ascontiguousarray(blocks))
-    up = gemv_weight(entries[:2], rows=2 * INTER, cols=HIDDEN)
-    down = gemv_weight(entries[2:], rows=HIDDEN, cols=INTER)
-    return data, slot_bytes, up, down
 
 
 class Layer:
     """A host tier, an arena, the merged map, and the GPU-only reference of a layer's calls."""
 
     def __init__(self, element_type, rng):
-        data, self.slot_bytes, self.up, self.down = _objects(element_type, EXPERTS, rng)
+        data, self.slot_bytes, self.up, self.down, _ = host_tier(element_type, EXPERTS, rng)
         self.arena = data[: VRAM_SLOTS * self.slot_bytes].clone().to(DEVICE)
         self.tier = data[VRAM_SLOTS * self.slot_bytes:].clone()
         if DEVICE == "cuda":

@@ -154,17 +154,22 @@ def test_a_request_whose_experts_are_all_resident_makes_no_acquire(qwen_case, ea
     assert stats.tiers["vram"].hits == hits, "the second request acquired experts it found resident"
 
 
+def _one_layer_in_vram_the_rest_in_the_host_tier(case) -> StoragedDaemon:
+    """A daemon whose VRAM holds one layer's experts and whose host tier holds the rest."""
+    with StoragedDaemon({"m": case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as probe:
+        info = probe.info()
+        slot_bytes, experts = info.slot_bytes, info.models["m"].expert_count
+    return StoragedDaemon({"m": case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes=experts * slot_bytes,
+                          host_cache_bytes="64MiB")
+
+
 @pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
 def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager_tokens):
     """VRAM holds one layer's experts, the host tier the rest: after a first request has put what
     it routes to in one tier or the other, the same request again computes every layer from the
     two maps (host-tier objects read in place, inference.experts.host_reads) with no Acquire at
     all, every decode step through the slot-map path, and the same tokens."""
-    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as _probe:
-        info = _probe.info()
-        slot_bytes, experts = info.slot_bytes, info.models["m"].expert_count
-    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes=experts * slot_bytes,
-                            host_cache_bytes="64MiB")
+    daemon = _one_layer_in_vram_the_rest_in_the_host_tier(qwen_case)
     try:
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
@@ -197,11 +202,7 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
     slot map, the pool serving one job a MoE layer a step and refusing none."""
     from inference.experts.cpu_experts import CpuExpertsConfig
 
-    with StoragedDaemon({"m": qwen_case.bundle}, vram_cache_bytes="64MiB", device=DAEMON_DEVICE) as _probe:
-        info = _probe.info()
-        slot_bytes, experts = info.slot_bytes, info.models["m"].expert_count
-    daemon = StoragedDaemon({"m": qwen_case.bundle}, device=DAEMON_DEVICE, vram_cache_bytes=experts * slot_bytes,
-                            host_cache_bytes="64MiB")
+    daemon = _one_layer_in_vram_the_rest_in_the_host_tier(qwen_case)
     try:
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
