@@ -252,7 +252,7 @@ class EagerStaticDecoder:
     the eager decode's, tests/inference/test_decode_graph.py, so only the hand-over is under test)."""
 
     def __init__(self, runner):
-        self.runner, self.cache, self.calls = runner, None, 0
+        self.runner, self.cache, self.calls, self.closed = runner, None, 0, False
 
     def fits(self, prompt_len: int, max_tokens: int) -> bool:
         return True
@@ -266,6 +266,9 @@ class EagerStaticDecoder:
         self.calls += 1
         logits, self.cache = self.runner.forward(torch.tensor([[token]]), self.cache)
         return logits
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def test_a_sequence_leaving_the_static_decoder_refeeds_its_tokens_and_decodes_on(loaded):
@@ -338,4 +341,5 @@ def test_a_request_on_the_static_decoder_joins_the_batch_when_others_arrive(qwen
             engine.close()
     assert static_in_step[0] == 1 and not any(static_in_step[1:])  # static in its first step only
     assert runner.decoder.calls == 1  # the prompt; every later forward ran in the batch
+    assert runner.decoder.closed  # the engine stops the decoder's CPU threads when it closes
     assert [results[i].token_ids for i in range(8)] == [f.token_ids for f in alone]
