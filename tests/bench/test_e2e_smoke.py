@@ -35,8 +35,8 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
     out = disk_dir / "out"
     done = subprocess.run(
         [sys.executable, "-m", "bench.e2e.main", "--device", "cpu", "--tiny", "--out", str(out), "--workdir",
-         str(disk_dir / "work"), "--seconds", "240", "--tokens", "3", "--prompt-len", "8", "--budgets", "0.25", "1.0",
-         "--torch-threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=400)
+         str(disk_dir / "work"), "--seconds", "360", "--tokens", "3", "--prompt-len", "8", "--budgets", "0.25", "1.0",
+         "--torch-threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=540)
     results = json.loads((out / "results.json").read_text())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert results["errors"] == []
