@@ -75,10 +75,11 @@ def compile_library(source: Path, flags: Sequence[str], cache_dir: Path) -> Path
     return library
 
 
-def build_library(cache_dir: Path | None = None, march: str = "native") -> ctypes.CDLL:
-    """host_experts.c compiled for `march` (once per source and flags) and loaded."""
+def build_library(cache_dir: Path | None = None, march: str = "native", source: Path = SOURCE) -> ctypes.CDLL:
+    """host_experts.c (or another revision of it: `source`, for benchmarks) compiled for `march`
+    (once per source and flags) and loaded."""
     # -ffp-contract=off: weights dequantize as gguf-py does, a multiply then a subtract, no FMA
-    library = compile_library(SOURCE, ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"],
+    library = compile_library(source, ["-O3", f"-march={march}", "-ffp-contract=off", "-pthread"],
                               cache_dir or default_cache_dir())
     lib = ctypes.CDLL(str(library))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -122,13 +123,14 @@ class HostExpertsPool:
     and reads it in place) and the expert kinds it knows."""
 
     def __init__(self, *, host_address: int, host_slots: int, slot_bytes: int, max_pairs: int, max_cols: int,
-                 max_rows: int, threads: int, pinned: bool | None = None, cache_dir: Path | None = None):
+                 max_rows: int, threads: int, pinned: bool | None = None, cache_dir: Path | None = None,
+                 source: Path = SOURCE):
         if not 1 <= max_pairs <= MAX_PAIRS:
             raise HostExpertsUnavailable(f"max_pairs {max_pairs} outside 1..{MAX_PAIRS}")
         if threads < 1 or host_slots < 1 or slot_bytes < 1 or max_cols < 1 or max_rows < 1:
             raise HostExpertsUnavailable(f"threads {threads}, host_slots {host_slots}, slot_bytes {slot_bytes}, "
                                          f"max_cols {max_cols}, max_rows {max_rows}: each must be positive")
-        self.lib = build_library(cache_dir)
+        self.lib = build_library(cache_dir, source=source)
         self.kernel = self.lib.host_experts_kernel().decode()
         self.threads, self.max_pairs = threads, max_pairs
         self.max_cols = -(-max_cols // 32) * 32  # elements: rows start 64-byte aligned
