@@ -285,9 +285,9 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         return _llamacpp(model.gguf_path, Path(args.llamacpp_bin) if args.llamacpp_bin else None,
                          args.prompt_len, args.tokens)
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
-    from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+    from inference.experts.cpu_experts import CpuExpertsConfig
 
-    cpu_experts = CpuExpertsConfig(args.cpu_experts_threads, args.cpu_experts_share or DEFAULT_SHARE)
+    cpu_experts = CpuExpertsConfig(args.cpu_experts_threads, args.cpu_experts_share)
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead, args.host_budget,
@@ -330,14 +330,17 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                 for phase in ACQUIRE_PHASES}
             traffic["fence_wait_ms_per_token"] = 1e3 * (after["fence_wait_seconds_total"]
                                                         - before["fence_wait_seconds_total"]) / timing["decoded"]
-        pool = decoder.cpu_experts.pool if decoder is not None and decoder.cpu_experts is not None else None
+        shared = decoder.cpu_experts if decoder is not None else None
+        pool = shared.pool if shared is not None else None
+        share_timed = shared.share_now if shared is not None else None  # where the timed decode ended
         pool_before = pool.stats() if pool is not None else None
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
         if pool is not None:  # the CPU's time per job (two a layer) over the profiled steps
             pool_after = pool.stats()
             jobs = pool_after.jobs - pool_before.jobs
             profiled["cpu_experts"] = {
-                "threads": pool.threads, "kernel": pool.kernel, "share": cpu_experts.share, "jobs": jobs,
+                "threads": pool.threads, "kernel": pool.kernel, "share": share_timed,
+                "share_tuned": cpu_experts.share is None, "share_moves": shared.share_moves, "jobs": jobs,
                 "failed_jobs": pool_after.failed_jobs - pool_before.failed_jobs,
                 "us_per_job": 1e6 * (pool_after.busy_seconds - pool_before.busy_seconds) / max(1, jobs)}
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
@@ -467,7 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu-experts-threads", type=int, default=12, metavar="N",
                         help="storaged-graph-cpu: CPU threads computing host-tier experts (default 12)")
     parser.add_argument("--cpu-experts-share", type=float, default=None, metavar="F",
-                        help="storaged-graph-cpu: share of each layer's host-tier experts they take (default 0.35)")
+                        help="storaged-graph-cpu: share of each layer's host-tier experts they take, fixed "
+                             "(default: tuned while decoding, from 0.35)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:

@@ -87,7 +87,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = Tru
                              "GPU (needs --storaged with a host tier, CUDA and the static cache; 0: off, the "
                              "default); they spin while steps run")
     parser.add_argument("--cpu-experts-share", type=_fraction, default=None, metavar="F",
-                        help="the share of each layer's host-tier experts the CPU threads compute (default 0.35)")
+                        help="the share of each layer's host-tier experts the CPU threads compute, fixed (default: "
+                             "tuned while decoding, from 0.35, to the share whose steps are fastest)")
 
 
 def _lookahead(text: str) -> int | str:

@@ -91,7 +91,8 @@ class ModelConfig:
     # CPU threads computing a share of each decode step's host-tier experts beside the GPU
     # (inference.experts.cpu_experts); 0 off. Needs the CUDA static decoder and storaged's host tier.
     cpu_experts_threads: int = 0
-    # the share of each layer's host-tier experts they take; None: the default (cpu_experts.DEFAULT_SHARE)
+    # the share of each layer's host-tier experts they take; None: tuned on the decode steps' times,
+    # starting at cpu_experts.DEFAULT_SHARE (inference.experts.share_tuner)
     cpu_experts_share: float | None = None
 
     def __post_init__(self) -> None:
@@ -150,9 +151,9 @@ class ModelConfig:
         """The CpuExpertsConfig of cpu_experts_threads/share, or None (off)."""
         if not self.cpu_experts_threads:
             return None
-        from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+        from inference.experts.cpu_experts import CpuExpertsConfig
 
-        share = DEFAULT_SHARE if self.cpu_experts_share is None else float(self.cpu_experts_share)
+        share = None if self.cpu_experts_share is None else float(self.cpu_experts_share)
         return CpuExpertsConfig(self.cpu_experts_threads, share)
 
     def min_precision(self) -> float:

@@ -218,8 +218,9 @@ def _storaged(model: PreparedModel, fraction: float, device: torch.device, dtype
         if variant.cpu_experts:
             from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
 
-            cpu_experts = CpuExpertsConfig(CPU_EXPERTS_THREADS, DEFAULT_SHARE)
-            notes.append(f"{CPU_EXPERTS_THREADS} CPU threads compute {DEFAULT_SHARE} of each layer's host-tier experts")
+            cpu_experts = CpuExpertsConfig(CPU_EXPERTS_THREADS)
+            notes.append(f"{CPU_EXPERTS_THREADS} CPU threads compute a share of each layer's host-tier experts, tuned "
+                         f"while decoding from {DEFAULT_SHARE}")
         try:
             decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
                                            cache_keyword=_cache_keyword(loaded.model), cpu_experts=cpu_experts)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 
 import torch
 from transformers import StaticCache
@@ -354,12 +355,15 @@ class StaticDecoder:
         self.steps += 1
         logits = None
         if self.lookup_enabled and self._skip == 0:
+            started = time.perf_counter()
             logits = self._lookup_step()
             if logits is None:
                 self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
                 self._skip = self._backoff
             else:
                 self._backoff = 0
+                if self.cpu_experts is not None:  # the share's tuner learns from the steps' times
+                    self.cpu_experts.observe_step(time.perf_counter() - started)
         elif self._skip:
             self._skip -= 1
             self.skipped_steps += 1

@@ -14,7 +14,9 @@ sums, bf16 results) and its activation: SiLU(gate) * up rounded as torch's bfloa
 with the module's clamp where it has one (`limit`, e.g. DeepSeek-V4). Before a layer is shared,
 the pool's activation is checked against the module's own on a probe (agreeing to bf16 rounding
 of the exponential); a layer whose activation is another is left to the GPU (logged). The share is
-a fraction of the host-tier experts each layer uses (DEFAULT_SHARE; `cpu_experts_share`).
+a fraction of the host-tier experts each layer uses, read by the device at every step: fixed when
+`cpu_experts_share` is given, else tuned on the decode steps' own times (inference.experts.
+share_tuner), starting at DEFAULT_SHARE.
 
 Where it applies: the captured decode step (device lookup) of layers whose fused GEMV reads the
 host tier in place, weights of a type the CPU kernels read (Q4_K, MXFP4), bfloat16 models.
@@ -28,26 +30,30 @@ from fractions import Fraction
 
 import torch
 
+from inference.experts.share_tuner import ShareTuner
 from inference.kernels import handoff
 from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, readable
 
 log = logging.getLogger(__name__)
-# measured on the H200 host (12 threads, docs/benchmarks.md): DeepSeek-like MXFP4 experts 328 tok/s at 0.35
-# and 318 at 0.5 against 250 on the GPU alone; Qwen3-like Q4_K within run-to-run noise at 0.35-0.65
+# where the tuner starts (and the share when tuning is off): measured on the H200 host (12 threads,
+# docs/benchmarks.md), DeepSeek-like MXFP4 experts 328 tok/s at 0.35 and 318 at 0.5 against 250 on the
+# GPU alone; Qwen3-like Q4_K within run-to-run noise at 0.35-0.65
 DEFAULT_SHARE = 0.35
+TUNER_LEVELS = 16  # the tuned share moves in sixteenths
 TIMEOUT_NS = 200_000_000  # a pool this late is gone: the step is redone on the acquire path
 
 
 @dataclasses.dataclass(frozen=True)
 class CpuExpertsConfig:
     threads: int  # the pool's threads (spinning while steps run)
-    share: float = DEFAULT_SHARE  # of each layer's host-tier experts
+    share: float | None = None  # of each layer's host-tier experts; None: tuned while decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"cpu_experts threads {self.threads!r}: expected a positive number")
-        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) or not 0 < self.share <= 1:
-            raise ValueError(f"cpu_experts share {self.share!r}: expected a fraction in (0, 1]")
+        if self.share is not None and (isinstance(self.share, bool) or not isinstance(self.share, (int, float))
+                                       or not 0 < self.share <= 1):
+            raise ValueError(f"cpu_experts share {self.share!r}: expected a fraction in (0, 1] (or None: tuned)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +62,7 @@ class CpuShare:
 
     box: handoff.Mailbox
     kind: int  # the pool's expert kind of the layer
-    share: tuple[int, int]  # (numerator, denominator) of the host-tier experts taken
+    share: torch.Tensor  # int32 [2] on the device: numerator, denominator of the host-tier experts taken
     gpu_map: torch.Tensor  # int32 [E]: scratch, static for graph capture
     cpu_pairs: torch.Tensor  # int32 [max pairs]
     max_pairs: int
@@ -116,7 +122,18 @@ class CpuExperts:
         self.pool = HostExpertsPool(host_address=host_address, host_slots=host_slots, slot_bytes=slot_bytes,
                                     max_pairs=max_pairs, max_cols=hidden, max_rows=hidden, threads=config.threads,
                                     pinned=device.type == "cuda")
-        share = Fraction(config.share).limit_denominator(64)
+        if config.share is None:
+            self.tuner: ShareTuner | None = ShareTuner.starting_at(DEFAULT_SHARE, levels=TUNER_LEVELS)
+            share = Fraction(self.tuner.level, TUNER_LEVELS)
+        else:
+            self.tuner = None
+            share = Fraction(config.share).limit_denominator(64)
+        # int32 [2]: numerator, denominator (not reduced: the tuner rewrites the numerator alone)
+        numerator, denominator = ((self.tuner.level, TUNER_LEVELS) if self.tuner is not None
+                                  else (share.numerator, share.denominator))
+        self.share = torch.tensor([numerator, denominator], dtype=torch.int32, device=device)
+        self.share_moves = 0  # times the tuner changed the share
+        self._level = numerator
         box = handoff.Mailbox.of(self.pool, device)
         cpu_pairs = torch.zeros(max_pairs, dtype=torch.int32, device=device)
         self.layers: dict[int, CpuShare] = {}
@@ -129,16 +146,37 @@ class CpuExperts:
                     log.info("CPU experts: layer %d: %s; its host-tier experts are read over the link", layer, mismatch)
                     continue
                 gpu_map = torch.empty(binding.plan.target.num_experts, dtype=torch.int32, device=device)
-                self.layers[layer] = CpuShare(box, kind, (share.numerator, share.denominator), gpu_map, cpu_pairs,
-                                              max_pairs)
+                self.layers[layer] = CpuShare(box, kind, self.share, gpu_map, cpu_pairs, max_pairs)
             if not self.layers:
                 raise HostExpertsUnavailable("no layer's activation is one the CPU experts compute (see the log)")
             self.pool.start()
         except BaseException:
             self.pool.close()
             raise
-        log.info("CPU experts: %d threads (%s kernels) take %s of the host-tier experts of %d of %d layers",
-                 config.threads, self.pool.kernel, share, len(self.layers), len(bindings))
+        log.info("CPU experts: %d threads (%s kernels) take %s of the host-tier experts of %d of %d layers%s",
+                 config.threads, self.pool.kernel, share, len(self.layers), len(bindings),
+                 " (tuned while decoding)" if self.tuner is not None else "")
+
+    @property
+    def share_now(self) -> float:
+        """The share the steps use now."""
+        if self.tuner is not None:
+            return self.tuner.share
+        numerator, denominator = self.share.tolist()
+        return numerator / denominator
+
+    def observe_step(self, seconds: float) -> None:
+        """A decode step that computed through the handoff took `seconds` (wall, its results
+        read back): the tuner's input. The next step reads the share it sets (a copy queued on
+        the step's stream, before the next replay)."""
+        if self.tuner is None:
+            return
+        level = self.tuner.observe(seconds)
+        if level is not None and level != self._level:
+            self.share[0] = level  # a fill on the current stream: no host sync
+            self._level = level
+            self.share_moves += 1
+            log.debug("CPU experts: share %d/%d", level, TUNER_LEVELS)
 
     def close(self) -> None:
         self.pool.close()

@@ -63,18 +63,20 @@ def _kernels():
 
 
 def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, host_first: int,
-                  share: tuple[int, int], *, kind: int, top_k: int, gpu_map: torch.Tensor,
+                  share: torch.Tensor, *, kind: int, top_k: int, gpu_map: torch.Tensor,
                   cpu_pairs: torch.Tensor) -> torch.Tensor:
     """Hand the CPU ceil(share * n) of the n host-tier experts the pairs use (slot_map: int32 [E],
-    the merged map; experts: int64 [P]); post x [T, H] and the job (the pool's expert `kind`). Fills gpu_map (int32 [E]:
-    slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's pairs);
-    returns gpu_map."""
+    the merged map; experts: int64 [P]; share: int32 [2], numerator and denominator, on the device,
+    read when the kernel runs); post x [T, H] and the job (the pool's expert `kind`). Fills gpu_map
+    (int32 [E]: slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's
+    pairs); returns gpu_map."""
     pairs, n_experts = experts.shape[0], slot_map.shape[0]
     assert x.stride(-1) == 1 and x.shape[0] <= box.x.shape[0] and x.shape[1] <= box.x.shape[1], tuple(x.shape)
     assert pairs <= box.out.shape[0] and cpu_pairs.shape[0] >= pairs
+    assert share.dtype == torch.int32 and share.shape == (2,), (share.dtype, tuple(share.shape))
     _kernels().split_publish_kernel[(1,)](
         experts, slot_map, gpu_map, cpu_pairs, box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0],
-        x.shape[1], n_experts, pairs, host_first, share[0], share[1], kind, top_k,
+        x.shape[1], n_experts, pairs, host_first, share, kind, top_k,
         EP=triton_next_power_of_2(n_experts), PP=triton_next_power_of_2(pairs), BLOCK_C=SPLIT_BLOCK_C, num_warps=4)
     return gpu_map
 

@@ -1,7 +1,8 @@
 """Triton kernels of the device side of the CPU experts handoff (inference.kernels.handoff).
 
 `split_publish_kernel` (one program): picks the layer's experts the CPU computes (the lowest-id
-`take` of the host-tier experts the pairs use), writes the GPU's slot map with those marked -2
+`take` of the host-tier experts the pairs use, take = ceil(n * share), the share an int32 [2]
+numerator and denominator read from device memory at every call), writes the GPU's slot map with those marked -2
 (the GEMV skips them), a device mask of the CPU's pairs, each pair's host slot into the mailbox,
 the hidden states, the job's header, then the ticket (a system-scope release, after a barrier:
 the pool sees every input once it sees the ticket). The pool computes those experts whole.
@@ -46,8 +47,8 @@ def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, p
 
 @triton.jit
 def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr, xbox_ptr, xbox_stride,
-                         x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, take_num, take_den,
-                         kind, top_k, EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr):
+                         x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, share_ptr, kind, top_k,
+                         EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr):
     e = tl.arange(0, EP)
     emask = e < n_experts
     slot = tl.load(map_ptr + e, mask=emask, other=-1)  # [EP] int32: merged map (host slots >= host_first)
@@ -57,6 +58,8 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr
     hit = (pair_expert[None, :] == e[:, None]) & pmask[None, :]  # [EP, PP]: pair p uses expert e
     used = tl.sum(hit.to(tl.int32), axis=1) > 0  # [EP]
     hosted = (used & (slot >= host_first)).to(tl.int32)
+    take_num = tl.load(share_ptr)  # the share, read at every call (a captured graph sees it change)
+    take_den = tl.load(share_ptr + 1)
     take = (tl.sum(hosted) * take_num + take_den - 1) // take_den
     cpu = (hosted > 0) & (tl.cumsum(hosted, 0) <= take)  # [EP] the lowest-id `take` host-tier experts
     tl.store(gpu_map_ptr + e, tl.where(cpu, -2, slot), mask=emask)

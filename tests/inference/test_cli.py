@@ -19,7 +19,7 @@ from inference.config import (ConfigError, ExpertSourceNotAvailableError, Genera
 from inference.engine import ModelRunner, SamplingParams, encode_chat, encode_completion_prompt
 from inference.engine.timed_source import TimedExpertSource
 from inference.experts import LocalPackSource
-from inference.experts.cpu_experts import DEFAULT_SHARE, CpuExpertsConfig
+from inference.experts.cpu_experts import CpuExpertsConfig
 
 PROMPT = "The old library on the hill"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -213,7 +213,7 @@ def test_cpu_experts_flags_and_file_become_one_config(tmp_path):
     (tmp_path / "inference.toml").write_text("bundle = 'b'\nstoraged = '/s'\ncpu_experts_threads = 12\n")
     from_file = ["serve", "--config", str(tmp_path / "inference.toml")]
     model = serve_config_from_args(build_parser().parse_args(from_file)).model
-    assert model.cpu_experts() == CpuExpertsConfig(12, DEFAULT_SHARE)
+    assert model.cpu_experts() == CpuExpertsConfig(12)  # the share tuned while decoding
     flag = [*from_file, "--cpu-experts-share", "0.5"]
     assert serve_config_from_args(build_parser().parse_args(flag)).model.cpu_experts() == CpuExpertsConfig(12, 0.5)
     args = build_parser().parse_args(["generate", "--bundle", str(tmp_path), "--prompt", "hi"])

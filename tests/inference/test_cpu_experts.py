@@ -74,7 +74,8 @@ def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000):
     kind = pool.add_kind((layer.up,), layer.down)
     if start:
         pool.start()
-    cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), kind, share,
+    cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), kind,
+                   torch.tensor(share, dtype=torch.int32, device=DEVICE),
                    torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE),
                    torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns)
     return pool, cpu
@@ -126,6 +127,27 @@ def test_share_of_the_host_tier_experts(pools, share, taken):
     assert cpu.cpu_pairs[:4].cpu().tolist() == [1] * taken + [0] * (4 - taken)
 
 
+def test_the_share_is_read_at_every_call(pools):
+    """The share lives in device memory (a captured step reads what the tuner wrote since); 0
+    leaves every pair to the GPU, and the rows are the same whoever computes them."""
+    layer = Layer(ElementType.Q4_K, np.random.default_rng(6))
+    pool, cpu = _share(layer, pools, share=(4, 16))
+    experts = torch.tensor([3, 5, 6, 7], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    taken, rows = [], []
+    for numerator in (4, 12, 0):
+        cpu.share[0] = numerator
+        rows.append(pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map,
+                                        VRAM_SLOTS, TOP_K, misses).float().cpu())
+        taken.append(int(cpu.cpu_pairs[:4].sum()))
+    assert int(misses.item()) == 0
+    assert taken == [1, 3, 0]
+    scale = rows[2].abs().amax(dim=1, keepdim=True)
+    for got in rows[:2]:
+        assert torch.all((got - rows[2]).abs() <= scale * 2**-6)
+
+
 def test_a_pool_that_does_not_answer_is_a_miss(pools):
     """Threads never started: the device's wait times out and counts a miss, so the decode step
     is thrown away and redone on the acquire path."""
@@ -140,7 +162,11 @@ def test_a_pool_that_does_not_answer_is_a_miss(pools):
     assert int(misses.item()) >= 1
 
 
-@pytest.mark.parametrize("threads, share", [(0, 0.5), (True, 0.5), (2, 0.0), (2, 1.5), (2, "half")])
+@pytest.mark.parametrize("threads, share", [(0, 0.5), (True, 0.5), (2, 0.0), (2, 1.5), (2, "half"), (2, True)])
 def test_config_refuses_bad_values(threads, share):
     with pytest.raises(ValueError, match="cpu_experts"):
         CpuExpertsConfig(threads, share)
+
+
+def test_config_without_a_share_is_tuned():
+    assert CpuExpertsConfig(2).share is None and CpuExpertsConfig(2, 1).share == 1

@@ -196,10 +196,12 @@ def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager
 
 
 @pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
-def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens):
+@pytest.mark.parametrize("share", [0.5, None], ids=["half", "tuned"])
+def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens, share):
     """The host-tier test above with CPU threads taking half of each layer's host-tier experts
-    (inference.experts.cpu_experts): the same tokens, the second request still all through the
-    slot map, the pool serving one job a MoE layer a step and refusing none."""
+    (inference.experts.cpu_experts), or a share the tuner moves at every step: the same tokens,
+    the second request still all through the slot map, the pool serving one job a MoE layer a
+    step and refusing none."""
     from inference.experts.cpu_experts import CpuExpertsConfig
 
     daemon = _one_layer_in_vram_the_rest_in_the_host_tier(qwen_case)
@@ -207,14 +209,19 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
                                  expert_source=loaded.expert_source, static_cache_len=64,
-                                 cpu_experts=CpuExpertsConfig(2, 0.5))
+                                 cpu_experts=CpuExpertsConfig(2, share))
             decoder = runner.decoder
             pool = decoder.cpu_experts.pool
+            tuner = decoder.cpu_experts.tuner
+            assert (tuner is None) == (share is not None)
+            if tuner is not None:  # a window of one step: the share moves at every step (or returns)
+                tuner.window, tuner.settle = 1, 1
             first = _greedy(runner)
             redone, lookups, jobs = decoder.redone_steps, decoder.lookup_steps, pool.stats().jobs
             second = _greedy(runner)
             stats = pool.stats()
             shared_layers = len(decoder.cpu_experts.layers)
+            moves = decoder.cpu_experts.share_moves
             decoder.close()
     finally:
         daemon.stop()
@@ -222,6 +229,7 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
     assert (decoder.redone_steps, decoder.lookup_steps - lookups) == (redone, TOKENS - 1)
     assert (stats.jobs - jobs, stats.failed_jobs) == (shared_layers * (TOKENS - 1), 0)
     assert (first, second) == (eager_tokens, eager_tokens)
+    assert (moves > 0) == (share is None)
 
 
 def test_cpu_experts_are_refused_without_a_host_tier(qwen_case):
