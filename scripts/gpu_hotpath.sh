@@ -5,7 +5,7 @@
 #   is carried (.llamacpp/, bench/llamacpp/pack_source.sh), its binary packed into $OUT/llamacpp for
 #   reuse; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
-#   (5) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
+#   (6) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
 #   (scripts/moe_coverage.py --device cuda [--types $GPU_HOTPATH_COVERAGE_TYPES]; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
 #   py-spy wheel carried in .whl/, the profile runs under `py-spy record --subprocesses` (daemon
 #   included), its collapsed stacks in $OUT/pyspy.txt.gz.
@@ -55,6 +55,12 @@ if [[ "${GPU_HOTPATH_COVERAGE:-0}" == 1 ]]; then
         > "$OUT/logs/coverage.log" 2>&1 || failed=1
     tail -5 "$OUT/logs/coverage.log"; cp docs/moe_coverage.json "$OUT/moe_coverage.json"
 fi
+
+echo "=== CPU experts kernels"
+timeout --kill-after=10 "${GPU_HOTPATH_CPU_S:-120}" python3 bench/host_experts_bench.py --threads ${GPU_HOTPATH_CPU_THREADS:-1 12} \
+    ${GPU_HOTPATH_CPU_BASELINE:+--baseline "$GPU_HOTPATH_CPU_BASELINE"} --json "$OUT/host_experts_bench.json" 2>&1 \
+    | tee "$OUT/logs/host_experts_bench.log" | tail -8
+((PIPESTATUS[0] != 0)) && failed=1
 
 echo "=== profile"
 WRAP=()
