@@ -124,13 +124,13 @@ class HostExpertsPool:
 
     def __init__(self, *, host_address: int, host_slots: int, slot_bytes: int, max_pairs: int, max_cols: int,
                  max_rows: int, threads: int, pinned: bool | None = None, cache_dir: Path | None = None,
-                 source: Path = SOURCE):
+                 source: Path = SOURCE, march: str = "native"):
         if not 1 <= max_pairs <= MAX_PAIRS:
             raise HostExpertsUnavailable(f"max_pairs {max_pairs} outside 1..{MAX_PAIRS}")
         if threads < 1 or host_slots < 1 or slot_bytes < 1 or max_cols < 1 or max_rows < 1:
             raise HostExpertsUnavailable(f"threads {threads}, host_slots {host_slots}, slot_bytes {slot_bytes}, "
                                          f"max_cols {max_cols}, max_rows {max_rows}: each must be positive")
-        self.lib = build_library(cache_dir, source=source)
+        self.lib = build_library(cache_dir, march=march, source=source)
         self.kernel = self.lib.host_experts_kernel().decode()
         self.threads, self.max_pairs = threads, max_pairs
         self.max_cols = -(-max_cols // 32) * 32  # elements: rows start 64-byte aligned

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.dequant import dequantize_many
-from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, build_library, readable
+from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, readable
 from inference.kernels.ops import gemv_weight, moe_gemv
 from packformat import ElementType, Role, RoleEntry
 from packformat.constants import tensor_nbytes
@@ -21,13 +21,14 @@ from packtools.quants import random_blocks
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler to build the kernels")
 TYPES = [ElementType.Q4_K, ElementType.MXFP4]
+KERNELS = {"x86-64-v3": "avx2", "x86-64": "portable"}  # -march -> the kernels host_experts.c compiles
 HIDDEN, INTER = 256, 256
 
 
-def host_tier(element_type, slots, rng):
+def host_tier(element_type, slots, rng, hidden=HIDDEN, inter=INTER):
     """(uint8 tensor of `slots` objects, slot bytes, gate/up weight, down weight, role entries):
     objects of gate [I, H], up [I, H], down [H, I] roles of random blocks."""
-    shapes = [(Role.GATE, (INTER, HIDDEN)), (Role.UP, (INTER, HIDDEN)), (Role.DOWN, (HIDDEN, INTER))]
+    shapes = [(Role.GATE, (inter, hidden)), (Role.UP, (inter, hidden)), (Role.DOWN, (hidden, inter))]
     entries, offset = [], 0
     for role, shape in shapes:
         nbytes = tensor_nbytes(element_type, shape)
@@ -40,8 +41,8 @@ def host_tier(element_type, slots, rng):
             blocks = random_blocks(element_type, e.shape, rng).reshape(-1)
             start = slot * slot_bytes + e.offset
             tier[start:start + e.nbytes] = torch.from_numpy(np.ascontiguousarray(blocks))
-    up = gemv_weight(entries[:2], rows=2 * INTER, cols=HIDDEN)
-    down = gemv_weight(entries[2:], rows=HIDDEN, cols=INTER)
+    up = gemv_weight(entries[:2], rows=2 * inter, cols=hidden)
+    down = gemv_weight(entries[2:], rows=hidden, cols=inter)
     return tier, slot_bytes, up, down, entries
 
 
@@ -65,11 +66,10 @@ def pool_factory(tmp_path):
 
     def make(tier, slot_bytes, *, threads=2, march="native"):
         cache = tmp_path / march if march != "native" else None
-        if cache is not None:
-            build_library(cache, march=march)
         pool = HostExpertsPool(host_address=tier.data_ptr(), host_slots=tier.numel() // slot_bytes,
                                slot_bytes=slot_bytes, max_pairs=8, max_cols=HIDDEN, max_rows=HIDDEN, threads=threads,
-                               pinned=False, cache_dir=cache)
+                               pinned=False, cache_dir=cache, march=march)
+        assert march == "native" or pool.kernel == KERNELS[march]  # the kernels asked for, not the native ones
         pools.append(pool)
         return pool
 
@@ -104,6 +104,20 @@ def test_experts_equal_the_rounded_weights_reference(pool_factory, element_type,
         if slot >= 0:
             _close(got[p], reference(tier, slot_bytes, entries, slot, x[p // 2]))
     assert pool.stats().jobs == 1 and pool.stats().failed_jobs == 0
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
+def test_mxfp4_rows_of_a_number_of_blocks_not_a_multiple_of_four(pool_factory, march):
+    """The MXFP4 kernels sum a row's blocks in four chains: an intermediate size of 96 leaves the
+    down rows 3 blocks, the gate/up rows 8."""
+    tier, slot_bytes, up, down, entries = host_tier(ElementType.MXFP4, 2, np.random.default_rng(9), inter=96)
+    pool = pool_factory(tier, slot_bytes, march=march)
+    kind = pool.add_kind((up,), down)
+    pool.start()
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = pool.run(kind, [1, 0], x, top_k=2)
+    for p, slot in enumerate([1, 0]):
+        _close(got[p], reference(tier, slot_bytes, entries, slot, x[0]))
 
 
 @pytest.mark.parametrize("element_type", TYPES, ids=lambda t: t.name)
