@@ -124,16 +124,13 @@ class CpuExperts:
                                     pinned=device.type == "cuda")
         if config.share is None:
             self.tuner: ShareTuner | None = ShareTuner.starting_at(DEFAULT_SHARE, levels=TUNER_LEVELS)
-            share = Fraction(self.tuner.level, TUNER_LEVELS)
+            self._level, self._denominator = self.tuner.level, TUNER_LEVELS  # the tuner rewrites the numerator
         else:
             self.tuner = None
-            share = Fraction(config.share).limit_denominator(64)
-        # int32 [2]: numerator, denominator (not reduced: the tuner rewrites the numerator alone)
-        numerator, denominator = ((self.tuner.level, TUNER_LEVELS) if self.tuner is not None
-                                  else (share.numerator, share.denominator))
-        self.share = torch.tensor([numerator, denominator], dtype=torch.int32, device=device)
+            fixed = Fraction(config.share).limit_denominator(64)
+            self._level, self._denominator = fixed.numerator, fixed.denominator
+        self.share = torch.tensor([self._level, self._denominator], dtype=torch.int32, device=device)  # int32 [2]
         self.share_moves = 0  # times the tuner changed the share
-        self._level = numerator
         box = handoff.Mailbox.of(self.pool, device)
         cpu_pairs = torch.zeros(max_pairs, dtype=torch.int32, device=device)
         self.layers: dict[int, CpuShare] = {}
@@ -153,17 +150,14 @@ class CpuExperts:
         except BaseException:
             self.pool.close()
             raise
-        log.info("CPU experts: %d threads (%s kernels) take %s of the host-tier experts of %d of %d layers%s",
-                 config.threads, self.pool.kernel, share, len(self.layers), len(bindings),
+        log.info("CPU experts: %d threads (%s kernels) take %d/%d of the host-tier experts of %d of %d layers%s",
+                 config.threads, self.pool.kernel, self._level, self._denominator, len(self.layers), len(bindings),
                  " (tuned while decoding)" if self.tuner is not None else "")
 
     @property
     def share_now(self) -> float:
         """The share the steps use now."""
-        if self.tuner is not None:
-            return self.tuner.share
-        numerator, denominator = self.share.tolist()
-        return numerator / denominator
+        return self._level / self._denominator
 
     def observe_step(self, seconds: float) -> None:
         """A decode step that computed through the handoff took `seconds` (wall, its results
@@ -176,7 +170,7 @@ class CpuExperts:
             self.share[0] = level  # a fill on the current stream: no host sync
             self._level = level
             self.share_moves += 1
-            log.debug("CPU experts: share %d/%d", level, TUNER_LEVELS)
+            log.debug("CPU experts: share %d/%d", level, self._denominator)
 
     def close(self) -> None:
         self.pool.close()
