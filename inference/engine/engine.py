@@ -127,6 +127,8 @@ class Engine:
             runner.decoder.prepare()
         if metrics is not None and getattr(loaded, "hint_policy", None) is not None:
             metrics.watch_hints(loaded.hint_policy)
+        if metrics is not None and cpu_experts is not None and runner.decoder is not None:
+            metrics.watch_cpu_experts(runner.decoder)
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
                    request_timeout=request_timeout, stall_timeout=stall_timeout, max_num_seqs=max_num_seqs,
                    prefill_chunk=prefill_chunk)

@@ -90,8 +90,45 @@ class EngineMetrics:
         sent, hinted experts, predictions withheld, and each step width's precision and state."""
         self.registry.register(_HintCollector(policy, self.model))
 
+    def watch_cpu_experts(self, decoder) -> None:
+        """Export the CPU experts of a StaticDecoder (inference.experts.cpu_experts) at every
+        scrape: the pool's jobs, refused jobs and busy seconds, and the share it takes now."""
+        self.registry.register(_CpuExpertsCollector(decoder, self.model))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CpuExpertsCollector:
+    """Reads the decoder's CPU experts pool when scraped (nothing while it has none: before its
+    first binding, after close). A pool started again (the decoder bound anew) counts from zero."""
+
+    def __init__(self, decoder, model: str):
+        self.decoder = decoder
+        self.model = model
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        shared = self.decoder.cpu_experts
+        if shared is None:
+            return
+        stats = shared.pool.stats()
+        for name, doc, value in (
+                ("cpu_experts_jobs", "Layer jobs the CPU experts pool served (a share of a decode step's "
+                                     "host-tier experts each)", stats.jobs),
+                ("cpu_experts_failed_jobs", "Jobs the CPU experts pool refused as malformed (the step was redone "
+                                            "on the acquire path)", stats.failed_jobs),
+                ("cpu_experts_busy_seconds", "Seconds the CPU experts pool spent on jobs", stats.busy_seconds),
+                ("cpu_experts_share_moves", "Times the share's tuner moved the CPU experts' share",
+                 shared.share_moves)):
+            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        share = GaugeMetricFamily(f"{PREFIX}cpu_experts_share", "Share of each layer's host-tier experts the CPU "
+                                  "experts compute now", labels=["model"])
+        share.add_metric([self.model], shared.share_now)
+        yield share
 
 
 class _HintCollector:

@@ -14,6 +14,7 @@ from test_storaged_source_fixtures import StoragedDaemon, cases_dir, qwen_case  
 
 from inference.engine.decode_graph import StaticDecoder, why_not
 from inference.engine.generate import ModelRunner
+from inference.engine.metrics import EngineMetrics
 from inference.engine.params import SamplingParams
 from inference.experts import LocalPackSource
 from inference.experts.storaged_source import StoragedExpertSource
@@ -214,6 +215,8 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
             pool = decoder.cpu_experts.pool
             tuner = decoder.cpu_experts.tuner
             assert (tuner is None) == (share is not None)
+            metrics = EngineMetrics("m")
+            metrics.watch_cpu_experts(decoder)
             if tuner is not None:  # a window of one step: the share moves at every step (or returns)
                 tuner.window, tuner.settle = 1, 1
             first = _greedy(runner)
@@ -222,7 +225,12 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
             stats = pool.stats()
             shared_layers = len(decoder.cpu_experts.layers)
             moves = decoder.cpu_experts.share_moves
+            scraped = {name: metrics.registry.get_sample_value(f"expertpack_inference_cpu_experts_{name}", {"model": "m"})
+                       for name in ("jobs_total", "failed_jobs_total", "share_moves_total", "share")}
+            share_now = decoder.cpu_experts.share_now
             decoder.close()
+            assert metrics.registry.get_sample_value("expertpack_inference_cpu_experts_jobs_total",
+                                                     {"model": "m"}) is None  # closed: nothing to read
     finally:
         daemon.stop()
     assert shared_layers == len(decoder.bindings), (shared_layers, len(decoder.bindings))
@@ -230,6 +238,8 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
     assert (stats.jobs - jobs, stats.failed_jobs) == (shared_layers * (TOKENS - 1), 0)
     assert (first, second) == (eager_tokens, eager_tokens)
     assert (moves > 0) == (share is None)
+    assert scraped == {"jobs_total": stats.jobs, "failed_jobs_total": 0, "share_moves_total": moves,
+                       "share": share_now}
 
 
 def test_cpu_experts_are_refused_without_a_host_tier(qwen_case):
