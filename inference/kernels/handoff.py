@@ -67,7 +67,8 @@ def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map
                   cpu_pairs: torch.Tensor) -> torch.Tensor:
     """Hand the CPU ceil(share * n) of the n host-tier experts the pairs use (slot_map: int32 [E],
     the merged map; experts: int64 [P]; share: int32 [2], numerator and denominator, on the device,
-    read when the kernel runs); post x [T, H] and the job (the pool's expert `kind`). Fills gpu_map
+    read when the kernel runs); post x [T, H] and the job (the pool's expert `kind`) when the CPU
+    takes at least one expert, else no job (collect then waits for none). Fills gpu_map
     (int32 [E]: slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's
     pairs); returns gpu_map."""
     pairs, n_experts = experts.shape[0], slot_map.shape[0]

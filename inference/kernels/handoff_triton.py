@@ -5,7 +5,8 @@
 numerator and denominator read from device memory at every call), writes the GPU's slot map with those marked -2
 (the GEMV skips them), a device mask of the CPU's pairs, each pair's host slot into the mailbox,
 the hidden states, the job's header, then the ticket (a system-scope release, after a barrier:
-the pool sees every input once it sees the ticket). The pool computes those experts whole.
+the pool sees every input once it sees the ticket); no job when the CPU takes none, so every job
+posted is one that `collect_kernel` waits for. The pool computes those experts whole.
 `collect_kernel` (a program per pair): the CPU's pairs wait until the pool reports the ticket
 done, then copy its rows into the GPU's output; a pool that does not answer in `timeout_ns`
 (or refused the job) counts a miss, so the caller redoes the step on the acquire path.
@@ -67,7 +68,10 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr
     pair_slot = tl.sum(tl.where(hit, slot[:, None], 0), axis=0)  # [PP] the slot of the pair's one expert
     tl.store(cpu_pair_ptr + p, pair_cpu, mask=pmask)
     tl.store(box_ptr + W_SLOTS + p, tl.where(pair_cpu > 0, pair_slot - host_first, -1).to(tl.int64), mask=pmask)
-    _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, pairs, top_k, BLOCK_C)
+    # Only a job the collect will wait for is posted: an unawaited one would let the next layer's
+    # post overwrite the mailbox while the pool still reads it (it would serve one of the two).
+    if tl.sum(pair_cpu) > 0:
+        _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, pairs, top_k, BLOCK_C)
 
 
 @triton.jit

@@ -545,10 +545,11 @@ static void lead(pool_t *p) {
             continue;
         }
         run_job(p);
-        __atomic_store_n(word(p, W_DONE), ticket, __ATOMIC_RELEASE);
+        /* counted before `done` is published: a caller that has seen its job end reads it counted */
         idle_since = now_ns();
         atomic_fetch_add(&p->jobs, 1);
         atomic_fetch_add(&p->busy_ns, idle_since - started);
+        __atomic_store_n(word(p, W_DONE), ticket, __ATOMIC_RELEASE);
     }
 }
 

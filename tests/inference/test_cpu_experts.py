@@ -15,7 +15,7 @@ from test_host_experts import HIDDEN, host_tier
 
 from inference.experts.cpu_experts import CpuExpertsConfig, CpuShare, pair_forward_shared
 from inference.kernels import handoff
-from inference.kernels.host_experts import HostExpertsPool
+from inference.kernels.host_experts import W_TICKET, HostExpertsPool
 from inference.kernels.ops import HostSlots, moe_gemv
 from packformat import ElementType
 
@@ -143,9 +143,26 @@ def test_the_share_is_read_at_every_call(pools):
         taken.append(int(cpu.cpu_pairs[:4].sum()))
     assert int(misses.item()) == 0
     assert taken == [1, 3, 0]
+    assert (pool.stats().jobs, int(pool.words[W_TICKET])) == (2, 2)  # a share of 0 posts no job
     scale = rows[2].abs().amax(dim=1, keepdim=True)
     for got in rows[:2]:
         assert torch.all((got - rows[2]).abs() <= scale * 2**-6)
+
+
+def test_a_layer_whose_pairs_use_no_host_tier_expert_posts_no_job(pools):
+    """Every job posted is one the device waits for: with no host-tier expert in the layer's
+    pairs the CPU takes none and nothing is posted (a pool that never started is not waited on,
+    so no miss), and the rows are the GPU-only call's."""
+    layer = Layer(ElementType.Q4_K, np.random.default_rng(8))
+    pool, cpu = _share(layer, pools, start=False, timeout_ns=2_000_000)
+    experts = torch.tensor([2, 0, 1, 2], dtype=torch.int64, device=DEVICE)  # VRAM slots only
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS,
+                              TOP_K, misses)
+    assert int(misses.item()) == 0
+    assert int(pool.words[W_TICKET]) == 0 and cpu.cpu_pairs[:4].cpu().tolist() == [0] * 4
+    assert torch.equal(got.cpu(), layer.reference(x, experts).cpu())
 
 
 def test_a_pool_that_does_not_answer_is_a_miss(pools):
