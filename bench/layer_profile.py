@@ -20,7 +20,9 @@ again, experts are not pre-loaded and steps that meet an absent one run on the a
 For each mode: decode and prefill tokens/s, milliseconds per token, and, from torch.profiler over
 `--profile-steps` decode steps, device time per MoE layer by kind (experts GEMV, combine,
 dequantize, grouped GEMM, dense GEMM, attention, copies, other kernels), the share of the step the
-device is busy, and the host time spent acquiring experts. Prints a table last; --out keeps JSON.
+device is busy, the milliseconds of a timed step beyond its device work (`idle ms`: host work
+between replays, syncs and launches; the profiled steps pick tokens as the timed ones do), and the
+host time spent acquiring experts. Prints a table last; --out keeps JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.e2e.generation import prompt_ids, synchronize, timed_generation, warm_up  # noqa: E402
+from bench.e2e.generation import prompt_ids, synchronize, timed_generation, token_picker, warm_up  # noqa: E402
 from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
@@ -134,12 +136,8 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int,
                 state["cache"] = _cache_of(result)
                 return result.logits[0, -1]
         synchronize(device)
-        generator = torch.Generator().manual_seed(sample_seed) if sample_seed is not None else None
-
-        def pick(logits: torch.Tensor) -> int:  # greedy, or sampled at temperature 1 as timed_generation
-            if generator is None:
-                return int(logits.argmax())
-            return int(torch.multinomial(torch.softmax(logits.float().cpu(), -1), 1, generator=generator))
+        # as the timed decode picks (on the device): the profiled steps are the steps timed
+        pick = token_picker(device, sample_seed)
 
         with profile(activities=activities) as prof:
             started = time.perf_counter()
@@ -365,6 +363,10 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                       prefills_redone=decoder.redone_prefills)
     busy = sum(profiled["device_us_by_kind"].values()) / 1e6
     record["device_busy_share"] = busy / profiled["wall_s"] if profiled["wall_s"] else None
+    # what a timed step spends beyond its device work: host work between replays, syncs, launches
+    timed = bool(profiled["device_us_by_kind"])  # device kernels are timed on CUDA only
+    record["device_ms_per_step"] = 1e3 * busy / args.profile_steps if timed else None
+    record["device_idle_ms_per_token"] = record["ms_per_token"] - record["device_ms_per_step"] if timed else None
     record["per_layer_us"] = {k: v / args.profile_steps / model.moe_layers
                               for k, v in profiled["device_us_by_kind"].items()}
     return record
@@ -394,7 +396,8 @@ def _hint_traffic(before, after, decoded: int) -> dict:
 def report(results: dict) -> str:
     lines = [f"{results['shape']}, {results['layers']} layers ({results['moe_layers']} MoE), {results['device']}, "
              f"budget {results.get('budget', 1.0):g}",
-             f"{'mode':16s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'ms/token':>9s} {'busy':>5s}  per MoE layer (us)"]
+             f"{'mode':16s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'ms/token':>9s} {'idle ms':>7s} {'busy':>5s}  "
+             "per MoE layer (us)"]
     for mode, r in results["modes"].items():
         if "decode_tok_s" not in r:
             lines.append(f"{mode:16s} {r.get('skipped') or r.get('error', '')[:100]}")
@@ -403,7 +406,9 @@ def report(results: dict) -> str:
         layer = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("per_layer_us", {}).items(), key=lambda kv: -kv[1]))
         ms = r.get("ms_per_token", 1e3 / r["decode_tok_s"] if r.get("decode_tok_s") else 0)
         prefill = r.get("prefill_tok_s") or 0
-        lines.append(f"{mode:16s} {r['decode_tok_s']:12.1f} {prefill:13.1f} {ms:9.3f} {busy:>5s}  {layer}")
+        idle = r.get("device_idle_ms_per_token")
+        idle = f"{idle:.3f}" if idle is not None else "-"
+        lines.append(f"{mode:16s} {r['decode_tok_s']:12.1f} {prefill:13.1f} {ms:9.3f} {idle:>7s} {busy:>5s}  {layer}")
     peer = results["modes"].get("llamacpp", {})
     for mode, r in results["modes"].items():
         if mode != "llamacpp" and peer.get("decode_tok_s") and r.get("decode_tok_s"):

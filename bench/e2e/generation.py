@@ -106,8 +106,9 @@ def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size
             "decoded": len(generated) - 1, "token_ids": generated}
 
 
-def _static_generation(decoder, device: torch.device, *, vocab_size: int, prompt_len: int, tokens: int,
-                       deadline: float, on_decode_start, sample_seed: int | None, min_seconds: float) -> dict:
+def token_picker(device: torch.device, sample_seed: int | None) -> Callable[[torch.Tensor], int]:
+    """The next token from logits [vocab] as the decoding loops here pick it: argmax, or a draw at
+    temperature 1 from a generator seeded with sample_seed on the device (as inference samples)."""
     generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
 
     def pick(logits: torch.Tensor) -> int:  # [vocab]
@@ -115,6 +116,12 @@ def _static_generation(decoder, device: torch.device, *, vocab_size: int, prompt
             return int(logits.argmax())
         return int(torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator))
 
+    return pick
+
+
+def _static_generation(decoder, device: torch.device, *, vocab_size: int, prompt_len: int, tokens: int,
+                       deadline: float, on_decode_start, sample_seed: int | None, min_seconds: float) -> dict:
+    pick = token_picker(device, sample_seed)
     ids = prompt_ids(vocab_size, prompt_len)[0].tolist()
     synchronize(device)
     started = time.perf_counter()

@@ -49,6 +49,19 @@ def test_a_budgeted_cpu_run_reports_hits_and_traffic(tmp_path):
     # the host profile's 30 costliest functions: which ones make the list depends on the machine's load
     assert "function calls" in record["host_profile"] and "Ordered by: internal time" in record["host_profile"]
     assert "VRAM hit rate" in layer_profile.report(results)
+    assert record["device_ms_per_step"] is None and record["device_idle_ms_per_token"] is None  # no CUDA timing
+
+
+@pytest.mark.parametrize("idle, shown", [(0.3125, " 0.312 "), (None, " - ")], ids=["CUDA", "CPU"])
+def test_the_report_shows_the_time_a_step_spends_beyond_its_device_work(idle, shown):
+    record = {"decode_tok_s": 250.0, "prefill_tok_s": 400.0, "ms_per_token": 4.0, "device_busy_share": 0.75,
+              "device_idle_ms_per_token": idle, "per_layer_us": {"experts GEMV": 139.2}}
+    results = {"shape": "Qwen3-30B-A3B-like", "layers": 12, "moe_layers": 12, "device": "d", "budget": 0.5,
+               "modes": {"storaged-graph-cpu": record}}
+    lines = layer_profile.report(results).splitlines()
+    assert "idle ms" in lines[1]
+    row = next(line for line in lines if line.startswith("storaged-graph-cpu"))
+    assert shown in row and "experts GEMV 139.2" in row
 
 
 
