@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -140,6 +141,24 @@ def report(rows: list[dict], kernel: str) -> str:
     return "\n".join(lines)
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")  # what the kernels could use
+
+
+def host_cpu(cpuinfo: str | None = None) -> dict:
+    """The host's CPU as /proc/cpuinfo names it: model, logical CPUs, and which of CPU_FLAGS it has
+    (the kernels' speed differs by vendor and generation more than by clock)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"model": None, "logical_cpus": os.cpu_count(), "flags": []}
+    pairs = [tuple(part.strip() for part in line.split(":", 1)) for line in cpuinfo.splitlines() if ":" in line]
+    model = next((value for key, value in pairs if key == "model name"), None)
+    flags = set(next((value.split() for key, value in pairs if key == "flags"), []))
+    return {"model": model, "logical_cpus": sum(1 for key, _ in pairs if key == "processor"),
+            "flags": [flag for flag in CPU_FLAGS if flag in flags]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -163,9 +182,12 @@ def main(argv=None) -> int:
     except (BenchError, HostExpertsUnavailable) as exc:
         print(f"host_experts_bench: {exc}", file=sys.stderr)
         return 1
+    cpu = host_cpu()
+    print(f"CPU: {cpu['model']}, {cpu['logical_cpus']} logical CPUs, {' '.join(cpu['flags']) or 'none of ' + str(CPU_FLAGS)}")
     print(report(rows, kernel))
     if args.json is not None:
-        args.json.write_text(json.dumps({"kernel": kernel, "baseline": str(args.baseline) if args.baseline else None,
+        args.json.write_text(json.dumps({"kernel": kernel, "cpu": cpu,
+                                         "baseline": str(args.baseline) if args.baseline else None,
                                          "rows": rows}, indent=2))
     return 0
 

@@ -30,6 +30,28 @@ def test_a_short_run_against_itself(tmp_path, capsys):
         assert row["jobs"] >= 3 and row["gbps_median"] > 0 and row["memory_sum_gbps"] > 0
         assert 0.2 < row["over_baseline"] < 5  # the same kernels: the ratio is the machine's noise
     assert "÷ baseline" in capsys.readouterr().out
+    assert result["cpu"] == host_experts_bench.host_cpu()  # the host the figures are of
+
+
+CPUINFO = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8480C
+flags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16 amx_tile amx_bf16
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480C
+flags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16 amx_tile amx_bf16
+"""
+
+
+@pytest.mark.parametrize("text, expected", [
+    (CPUINFO, {"model": "Intel(R) Xeon(R) Platinum 8480C", "logical_cpus": 2,
+               "flags": ["avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"]}),
+    ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n",
+     {"model": "AMD EPYC", "logical_cpus": 1, "flags": ["avx2"]}),
+    ("processor\t: 0\n", {"model": None, "logical_cpus": 1, "flags": []}),
+], ids=["avx512 and amx", "avx2 only", "no model line"])
+def test_host_cpu_reads_model_count_and_flags(text, expected):
+    assert host_experts_bench.host_cpu(text) == expected
 
 
 def test_a_baseline_with_other_outputs_is_refused(tmp_path, capsys):
