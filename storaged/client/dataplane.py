@@ -34,37 +34,57 @@ class FenceRevoked(StorageError):
 
 class StepFence:
     """This session's fence page: STARTED before a step's device work is launched, FINISHED once
-    it completed (storaged.wire.dataplane)."""
+    it completed (storaged.wire.dataplane).
+
+    Up to MAX_OPEN_STEPS steps may be open at once (a decoder launching step n + 1 before it has
+    read step n's result); they finish in the order they began. The daemon snapshots STARTED, so
+    a reuse waits for the newest open step, and with it every older one."""
+
+    MAX_OPEN_STEPS = 2
 
     def __init__(self, fd: int):
         self._mmap = mmap.mmap(fd, wire.FENCE_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._words = memoryview(self._mmap).cast("Q")  # aligned 8-byte stores: never torn
         self._step = self._words[wire.FENCE_STARTED // 8]
-        self.open = False
+        self._finished = self._step
+
+    @property
+    def open(self) -> bool:
+        """Whether a step began and has not ended."""
+        return self._step > self._finished
+
+    @property
+    def open_steps(self) -> int:
+        return self._step - self._finished
 
     @property
     def revoked(self) -> bool:
         return self._words[wire.FENCE_REVOKED // 8] != 0
 
     def begin(self) -> int:
-        """Mark step n started; call before launching device work that reads the slot map."""
-        if self.open:
-            raise RuntimeError("begin() of a step fence whose previous step did not end")
+        """Mark step n started and return n; call before launching device work that reads the slot map."""
+        if self.open_steps >= self.MAX_OPEN_STEPS:
+            raise RuntimeError(f"begin() of a step fence with {self.open_steps} steps open (at most "
+                               f"{self.MAX_OPEN_STEPS}): step {self._finished + 1} did not end")
         if self.revoked:
             raise FenceRevoked(StatusCode.FAILED_PRECONDITION, "the daemon revoked this session's step "
                                "fence (a step stayed open longer than its fence timeout); reconnect", rpc="fence")
         self._step += 1
         self._words[wire.FENCE_STARTED // 8] = self._step
-        self.open = True
         return self._step
 
-    def end(self) -> None:
-        """Mark the step finished: call only once its device work completed (after a sync).
+    def end(self, step: int | None = None) -> None:
+        """Mark step `step` (default: the last begun) and every step before it finished: call
+        only once their device work completed (after a sync).
         Raises FenceRevoked if the daemon stopped waiting for it: its results are not to be trusted."""
-        self._words[wire.FENCE_FINISHED // 8] = self._step
-        self.open = False
+        step = self._step if step is None else step
+        if not self._finished < step <= self._step:
+            raise RuntimeError(f"end({step}) of a step fence whose open steps are "
+                               f"{self._finished + 1}..{self._step}")
+        self._words[wire.FENCE_FINISHED // 8] = step
+        self._finished = step
         if self.revoked:
-            raise FenceRevoked(StatusCode.FAILED_PRECONDITION, f"step {self._step} outlived the daemon's "
+            raise FenceRevoked(StatusCode.FAILED_PRECONDITION, f"step {step} outlived the daemon's "
                                "fence timeout and may have read overwritten slots", rpc="fence")
 
     @contextlib.contextmanager

@@ -43,7 +43,9 @@ The fence page (FENCE_BYTES, little-endian u64 words) is how a client that reads
 the device tells the daemon which slots it may still be reading: it writes STARTED = n before
 launching step n and FINISHED = n once step n's work has completed; the daemon reuses a slot
 whose map entry it cleared only after every session that was mid-step at that moment finished
-that step. REVOKED (written by the daemon) is non-zero once the daemon stopped honouring the
+that step. A client may launch step n + 1 before step n completed (STARTED = n + 1 with
+FINISHED = n - 1); its steps finish in order, so FINISHED = n says every step up to n completed,
+and a daemon that waits for the STARTED it saw waits for all of them. REVOKED (written by the daemon) is non-zero once the daemon stopped honouring the
 page (the session ended, or it stayed mid-step longer than the daemon's fence timeout): a step
 that finished after that may have read overwritten slots and must not be trusted.
 """

@@ -289,6 +289,58 @@ def test_a_mid_step_reader_holds_back_reuse_of_what_it_may_read(client, served):
     assert stats.fence_waits >= 1
 
 
+def test_two_steps_in_flight_hold_back_reuse_until_the_newer_one_finished(client, served):
+    """A decoder launches step n + 1 before step n settled: a reuse seen while both are open waits
+    for the newer step, not only for the older one."""
+    _, payloads = served
+    with client.attach("tiny") as reader, client.attach("tiny") as writer:
+        slots = reader.acquire(2, [0, 1, 2, 3])
+        reader.release(2)
+        fence = reader.fence
+        first, second = fence.begin(), fence.begin()
+        assert second == first + 1 and fence.open_steps == 2
+        snapshot = {e: _bytes(reader, s, len(payloads[(2, e)])) for e, s in zip(range(4), slots)}
+        thread, result = _acquire_in_thread(writer, 1, [0, 1])  # needs two of those slots
+        time.sleep(0.3)
+        fence.end(first)
+        time.sleep(0.3)
+        assert thread.is_alive(), "a slot was reused while the session's second step was open"
+        for expert, slot in zip(range(4), slots):
+            assert _bytes(reader, slot, len(payloads[(2, expert)])) == snapshot[expert]
+        fence.end(second)
+        thread.join(5)
+        assert not thread.is_alive() and "slots" in result, result
+        assert not fence.open
+
+
+@pytest.mark.parametrize("calls, error", [
+    (("begin", "begin", "begin"), "2 steps open"),
+    (("end",), "open steps are 1..0"),
+    (("begin", "end:2"), "end\\(2\\)"),
+    (("begin", "begin", "end:2", "end:1"), "end\\(1\\)"),
+], ids=["a third open step", "end with none open", "end of a step not begun", "ends out of order"])
+def test_a_step_fence_refuses_what_breaks_its_order(calls, error):
+    fd = os.memfd_create("fence-test")
+    os.ftruncate(fd, wire.FENCE_BYTES)
+    from storaged.client.dataplane import StepFence
+
+    fence = StepFence(fd)
+    os.close(fd)
+    try:
+        *ok, last = calls
+        for call in ok:
+            _fence_call(fence, call)
+        with pytest.raises(RuntimeError, match=error):
+            _fence_call(fence, last)
+    finally:
+        fence.close()
+
+
+def _fence_call(fence, call: str) -> None:
+    name, _, step = call.partition(":")
+    getattr(fence, name)(*([int(step)] if step else []))
+
+
 _MID_STEP_CLIENT = """
 import sys, time
 from storaged.client import StorageClient
