@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from inference.engine.errors import EngineInternalError, InvalidRequestError
+from inference.engine.errors import InvalidRequestError
 
 # what json.dumps writes by default, and what chat models learned: ", " and ": ", no other whitespace
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -74,6 +74,11 @@ def _ll_tokenizer(tokenizer, end_ids: tuple[int, ...]):
     return LLTokenizer(backend.to_str(), eos_token=list(end_ids))
 
 
+class GrammarError(RuntimeError):
+    """Decoding left the grammar: no token of the vocabulary can continue it, or a token it
+    forbids was taken (a bug: the mask comes before every draw). The engine fails the request."""
+
+
 class TokenConstraint:
     """The grammar state of one choice: which tokens may come next, fed each sampled token.
 
@@ -105,13 +110,13 @@ class TokenConstraint:
         n = min(vocab, allowed.numel())
         keep[:n] = allowed[:n]
         if not bool(keep.any()):
-            raise EngineInternalError(f"the grammar allows no token of this model's {vocab}: "
+            raise GrammarError(f"the grammar allows no token of this model's {vocab}: "
                                       f"{self._matcher.get_error() or 'its vocabulary cannot spell what comes next'}")
         return logits.masked_fill(~keep.to(logits.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise EngineInternalError(f"token {token} was sampled against the grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"token {token} was sampled against the grammar: {self._matcher.get_error()}")
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.engine import InvalidRequestError
-from inference.engine.constraints import TokenConstraint, json_schema_grammar, lark_grammar
+from inference.engine.constraints import GrammarError, TokenConstraint, json_schema_grammar, lark_grammar
 from packtools.tokenizer_synth import build_tokenizer
 
 EOS = 2
@@ -80,3 +80,11 @@ def test_a_bad_lark_grammar_names_the_param():
     with pytest.raises(InvalidRequestError) as caught:
         lark_grammar("start: (", param="tool_choice")
     assert caught.value.param == "tool_choice"
+
+
+def test_a_token_the_grammar_forbids_fails_with_the_grammar_s_error(tokenizer):
+    constraint = TokenConstraint(tokenizer, json_schema_grammar(SCHEMA, param="response_format"), [EOS])
+    masked = constraint.mask(torch.zeros(512))
+    forbidden = int(torch.nonzero(masked == float("-inf"))[0])
+    with pytest.raises(GrammarError, match=f"token {forbidden} was sampled against the grammar"):
+        constraint.advance(forbidden)
