@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference.engine import InvalidRequestError, SamplingParams
-from inference.engine.sampling import TokenSampler, next_token, request_generator
+from inference.engine.sampling import DrawError, TokenSampler, draw, next_token, request_generator
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([2.0, 1.0, -1.0, 0.5, -3.0, 0.0])  # ranked: 0, 1, 3, 5, 2, 4
@@ -115,3 +115,55 @@ def test_invalid_new_params_name_their_field(change, param):
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(max_tokens=8, **change)
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0),
+    dict(temperature=1.0, seed=11),
+    dict(temperature=0.7, top_k=3, min_p=0.05, seed=5, repetition_penalty=1.3, logprobs=2),
+    dict(temperature=1.0, seed=3, frequency_penalty=0.5, presence_penalty=0.5, logit_bias=((2, 1.0),)),
+], ids=["greedy", "sampled", "processed with logprobs", "penalties"])
+def test_a_discarded_pick_leaves_the_draws_as_if_it_was_never_made(params):
+    """What decoding ahead relies on: a pick from logits that turned out void, discarded, changes
+    nothing; the tokens and logprobs are those of plain steps."""
+    plain, ahead = sampler(**params), sampler(**params)
+    void = torch.flip(LOGITS, [0])  # other logits, as a step that met an absent expert gives
+    expected, got = [], []
+    for index in range(30):
+        expected.append(plain.step(LOGITS))
+        if index % 3 == 0:
+            ahead.discard(ahead.pick(void))
+        got.append(ahead.accept(ahead.pick(LOGITS)))
+    assert got == expected
+    assert len({token for token, _ in got}) > 1 or params.get("temperature") == 0  # the draws did vary
+
+
+def test_a_pick_is_read_only_by_accept():
+    s = sampler(temperature=1.0, seed=2, frequency_penalty=1.0)
+    picked = s.pick(LOGITS)
+    assert picked.token.shape == (1,) and picked.token.dtype == torch.long
+    assert s.generated == 0 and s._counts.sum() == 0  # the request's state moves only when it is read
+    token, _ = s.accept(picked)
+    assert s.generated == 1 and s._counts[token] == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_draw_is_torch_multinomial_without_its_syncs(device):
+    """draw() must keep giving torch.multinomial's tokens for the same generator (seeded requests
+    reproduce across versions) and leave the generator where multinomial leaves it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for seed in range(100):
+        probs = torch.softmax(torch.randn(3000, generator=torch.Generator().manual_seed(seed)) * 4, -1).to(device)
+        ours, torchs = torch.Generator(device).manual_seed(seed), torch.Generator(device).manual_seed(seed)
+        token, valid = draw(probs, ours)
+        assert int(token) == int(torch.multinomial(probs, 1, generator=torchs)) and bool(valid)
+        assert torch.equal(ours.get_state(), torchs.get_state())
+
+
+@pytest.mark.parametrize("logits", [[1.0, float("nan"), 0.0], [float("inf"), 0.0, 1.0]], ids=["nan", "inf"])
+def test_a_draw_from_no_distribution_fails_when_read(logits):
+    s = sampler(temperature=1.0, seed=1)
+    picked = s.pick(torch.tensor(logits))
+    with pytest.raises(DrawError, match="inf"):
+        s.accept(picked)
