@@ -4,6 +4,8 @@ storaged's slot map on the device, the whole step captured once as a CUDA graph.
     decoder = StaticDecoder.create(model, source, max_len=4096)    # None: not possible, see why_not
     logits = decoder.start(prompt_ids)                             # prefill (eager, acquires experts)
     logits = decoder.step(token)                                   # one decode step
+    launched = decoder.launch(token_on_device)                     # or: one not waited for
+    if not decoder.settle(launched): logits = decoder.redo(token)  # its logits, or the acquire path's
 
 A step runs optimistically: every MoE layer looks its experts up in the slot map (inference.
 experts.forward's device lookup) and counts the absent ones. After the step, one host sync reads
@@ -13,6 +15,12 @@ acquire path, which loads what was missing: on CUDA the same step recorded as gr
 the experts calls (inference.engine.piecewise), the experts acquired and computed eagerly between
 the pieces. The session's step fence brackets the device work, so storaged never reuses a slot
 the step may read.
+
+`launch` starts a step on the slot map without waiting for it: its input token may still be on
+the device (the previous step's pick), and a second step may be launched before the first is
+settled, so the host's work between steps (reading the token, emitting text) overlaps the
+device's (inference.engine.decode_ahead). The steps settle in launch order; a step that met an
+absent expert is undone together with every step launched after it, and run again with `redo`.
 
 The prefill runs the same way: the prompt padded to a power of two (at least PREFILL_MIN_BUCKET
 tokens, at most PREFILL_MAX_BUCKET and the cache), one CUDA graph per such length, captured on
@@ -31,6 +39,7 @@ e.g. gpt_oss, kimi_linear, deepseek_v4), and prompts that fit the static cache.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -68,6 +77,20 @@ class _Prefill:
     last: torch.Tensor  # [1] index of the last prompt token: the logits kept
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A decode step launched on the slot map and not settled yet."""
+
+    logits: torch.Tensor  # [V] the step's logits (the graph's buffer: read them before the next launch)
+    fence_step: int  # its number in the session's step fence
+    misses: torch.Tensor  # [1] int32 on the CPU: its absent experts, once `done` (pinned on CUDA)
+    done: torch.cuda.Event | None  # recorded after its work; None off CUDA (the work has completed)
+    launched_at: float  # time.perf_counter()
+
+
+MAX_LAUNCHED_STEPS = 2  # steps launched and not settled: the one being read, and the next
 
 
 def why_not(model: torch.nn.Module, source, device: torch.device) -> str | None:
@@ -121,6 +144,9 @@ class StaticDecoder:
         self._graph_logits: torch.Tensor | None = None
         self.lookup_enabled = True  # off once the daemon revoked our fence: acquire path only
         self.steps = self.lookup_steps = self.redone_steps = self.skipped_steps = 0
+        self.abandoned_steps = 0  # launched after a step that missed (or left when a request ended): undone
+        self._launched: collections.deque[LaunchedStep] = collections.deque()  # oldest first
+        self._settled_at = 0.0  # when the last launched step settled: a pipelined step's time starts there
         # prefill through the slot map (padded, a graph per length when capturing); on by default
         # with capture, where it takes the host's launches out of the prefill
         self.lookup_prefill = capture if lookup_prefill is None else lookup_prefill
@@ -178,6 +204,11 @@ class StaticDecoder:
         fence = lookup[4] if lookup is not None else None
         if fence is self.fence and self.fence is not None:
             return
+        if self._launched:  # launched in the old session: let them run out (its fence is gone with it)
+            self._synchronize()
+            self.abandoned_steps += len(self._launched)
+            self.steps -= len(self._launched)
+            self._launched.clear()
         self._graph = self._graph_logits = None
         self._piecewise = None
         self._prefills = {}
@@ -270,6 +301,7 @@ class StaticDecoder:
     def start(self, prompt_ids: list[int]) -> torch.Tensor:
         """Reset the cache and prefill it (acquire path); logits [V] of the last prompt token."""
         self._follow_source()
+        self.abandon()  # a step the previous request launched ahead and never needed
         if self.capture and self._graph is None and self.lookup_enabled:
             self._capture()
         self.cache.reset()
@@ -348,6 +380,7 @@ class StaticDecoder:
     def step(self, token: int) -> torch.Tensor:
         """Logits [V] after feeding `token` at the next position; reads experts via the slot map,
         and runs the step again on the acquire path if one of them was absent."""
+        assert not self._launched, "step() with launched steps not settled"
         if self.length >= self.max_len:
             raise ValueError(f"the static cache of {self.max_len} tokens is full")
         self.ids.fill_(token)
@@ -372,6 +405,136 @@ class StaticDecoder:
             logits = self._acquire_step()
         self.length += 1
         return logits
+
+    # --- steps not waited for -----------------------------------------------------------------
+
+    def can_launch(self) -> bool:
+        """Whether the next step may be launched now: through the slot map (not backing off after
+        misses), a free place in the cache and in the launch queue."""
+        return (self.lookup_enabled and self._skip == 0 and len(self._launched) < MAX_LAUNCHED_STEPS
+                and self.length < self.max_len and (self._graph is not None or not self.capture))
+
+    def launch(self, token: torch.Tensor) -> LaunchedStep | None:
+        """Launch the step that feeds `token` ([1] int64 on the device, e.g. a pick not yet read)
+        at the next position, reading experts through the slot map, without waiting for it. None
+        when it cannot (can_launch, or the fence was revoked): step() then. Settle it before reading
+        its logits on the host; its logits buffer is the next launch's too."""
+        if not self.can_launch():
+            return None
+        from storaged.client.dataplane import FenceRevoked
+
+        if not self._launched:
+            finish = getattr(self.source, "finish_resident_step", None)
+            if callable(finish):  # a forward that failed midway may have left the source's resident step open
+                finish()
+        try:
+            fence_step = self.fence.begin()
+        except FenceRevoked:
+            self._revoked()
+            return None
+        try:
+            self.ids.copy_(token.view(1, 1))
+            self.positions.fill_(self.length)
+            if self._graph is not None:
+                self._graph.replay()
+                logits = self._graph_logits
+            else:
+                self._set_lookup(True)
+                try:
+                    logits = self._step_call()
+                finally:
+                    self._set_lookup(False)
+            if self.misses.is_cuda:
+                misses = self.misses.to("cpu", non_blocking=True)  # pinned: waits for this step's work alone
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                misses, done = self.misses.clone(), None
+        except BaseException:
+            self._synchronize()
+            self._launched.clear()
+            try:
+                self.fence.end(fence_step)  # nothing of it runs any more; the steps before it ended with it
+            except FenceRevoked:
+                self._revoked()
+            raise
+        launched = LaunchedStep(logits, fence_step, misses, done, time.perf_counter())
+        self._launched.append(launched)
+        self.length += 1
+        self.steps += 1
+        return launched
+
+    def settle(self, launched: LaunchedStep) -> bool:
+        """Wait for the oldest launched step. True when it found every expert: its logits stand.
+        False when one was absent (or the fence was revoked): it and every step launched after it
+        are undone (the cache's write position moved back), and the caller runs it again with redo()."""
+        from storaged.client.dataplane import FenceRevoked
+
+        assert self._launched and self._launched[0] is launched, "settle() out of launch order"
+        if launched.done is not None:
+            launched.done.synchronize()
+        absent = int(launched.misses[0])
+        self._launched.popleft()
+        try:
+            self.fence.end(launched.fence_step)
+        except FenceRevoked:
+            self._revoked()
+            absent = -1
+        now = time.perf_counter()
+        seconds = now - max(launched.launched_at, self._settled_at)  # with a step before it: from its end
+        self._settled_at = now
+        if absent == 0:
+            self.lookup_steps += 1
+            self._backoff = 0
+            if self.cpu_experts is not None:  # the share's tuner learns from the steps' times
+                self.cpu_experts.observe_step(seconds)
+            return True
+        self.redone_steps += 1
+        self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
+        self._skip = self._backoff
+        self.abandon()
+        self._rewind(1)
+        return False
+
+    def redo(self, token: int) -> torch.Tensor:
+        """Logits [V] of the step settle() found an expert absent in, run again for `token` on the
+        acquire path (which loads what was missing)."""
+        assert not self._launched, "redo() with launched steps not settled"
+        self.ids.fill_(token)
+        self.positions.fill_(self.length)
+        self._set_lookup(False)
+        logits = self._acquire_step()
+        self.length += 1
+        return logits
+
+    def abandon(self) -> None:
+        """Undo every launched step not settled (a request ended with one launched ahead): their
+        work waited for, their fence steps ended, the cache's write position moved back."""
+        if not self._launched:
+            return
+        from storaged.client.dataplane import FenceRevoked
+
+        count = len(self._launched)
+        last = self._launched[-1]
+        if last.done is not None:
+            last.done.synchronize()
+        self._launched.clear()
+        self.abandoned_steps += count
+        self.steps -= count
+        self._rewind(count)
+        try:
+            self.fence.end(last.fence_step)
+        except FenceRevoked:
+            self._revoked()
+
+    def _rewind(self, count: int) -> None:
+        for layer in self.cache.layers:  # the steps' positions are written again
+            layer.cumulative_length.sub_(count)
+        self.length -= count
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _acquire_step(self) -> torch.Tensor:
         """The step on the acquire path, which loads whatever is absent: the piecewise graphs

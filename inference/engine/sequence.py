@@ -7,6 +7,10 @@ prompt, or the last sampled token) and `advance()` (sample from the logits, emit
 stop conditions). `forward()` of several sequences may run at the same time on different threads
 (inference.engine.batch); `advance()` runs on the scheduling thread.
 
+On the static decoder (a request running alone), `forward()` also picks the token, on the
+device, and launches the next step on it before reading it (inference.engine.decode_ahead):
+`advance()` then takes that token, and the host's work of a step overlaps the next step's.
+
 The prompt goes through the model in chunks of at most `prefill_chunk` tokens, each chunk one
 step, so that a long prompt joining a running batch holds the others' decode steps for one
 chunk's time at most; the last chunk's logits give the first token.
@@ -19,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from inference.engine.params import Finished, SamplingParams, TextDelta, Usage
 from inference.engine.constraints import TokenConstraint
+from inference.engine.params import Finished, SamplingParams, TextDelta, TokenLogprob, Usage
 from inference.engine.sampling import TokenSampler
 from inference.engine.text import IncrementalDecoder, StopMatcher
 
@@ -61,6 +65,8 @@ class Sequence:
         self._fed = 0  # prompt tokens already through the model
         self._cache = None
         self._logits: torch.Tensor | None = None  # [V] of the last forward that ended the prompt or decoded
+        self._ahead = None  # DecodeAhead on the static decoder
+        self._picked: tuple[int, TokenLogprob | None] | None = None  # its token of the last forward
         self.finish_reason: str | None = None  # set once the sequence is done
         self._matched_stop = False
 
@@ -86,6 +92,7 @@ class Sequence:
         shares the expert reads of the prefills it joins with."""
         if self.static is None or self.done:
             return False
+        self._close_ahead()
         self.static = None
         self._context = self.prompt_ids + self.tokens
         self._fed = 0
@@ -98,7 +105,13 @@ class Sequence:
         """The model on the next input; thread-safe against other sequences' forwards."""
         assert not self.done, "forward() of a finished sequence"
         if self.static is not None:
-            self._logits = self.static.step(self.tokens[-1]) if self.tokens else self.static.start(self.prompt_ids)
+            if self._ahead is None:
+                from inference.engine.decode_ahead import DecodeAhead
+
+                self._ahead = DecodeAhead(self.static, self.sampler)
+            more = len(self.tokens) + 1 < self.params.max_tokens  # a token will follow unless a stop says no
+            self._picked = (self._ahead.next(more=more) if self.tokens
+                            else self._ahead.first(self.prompt_ids, more=more))
             self._fed = len(self.prompt_ids)
             return
         if self.prefilling:
@@ -115,7 +128,10 @@ class Sequence:
         if self.prefilling:
             return
         params = self.params
-        token, entry = self.sampler.step(self._logits)
+        if self._picked is not None:
+            (token, entry), self._picked = self._picked, None
+        else:
+            token, entry = self.sampler.step(self._logits)
         self._logits = None
         self.tokens.append(token)
         self._token_times.append(time.monotonic())
@@ -140,6 +156,10 @@ class Sequence:
     def fail(self) -> None:
         """The sequence will take no further steps (its request failed); its cache is let go."""
         self._cache = None
+        try:
+            self._close_ahead()
+        except Exception:  # noqa: BLE001 - the request already failed with the error that matters
+            self._ahead = None
         if not self.done:
             self.finish_reason = FINISH_CANCELLED
 
@@ -147,6 +167,7 @@ class Sequence:
         """The choice's end, after releasing what the decoder and the stop matcher still hold."""
         assert self.done, "finish() of a running sequence"
         self._cache = None
+        self._close_ahead()
         if not self._matched_stop:
             safe, self._matched_stop = self._stops.add(self._decoder.flush(),
                                                        search=len(self.tokens) > self.params.min_tokens)
@@ -162,6 +183,12 @@ class Sequence:
         return Finished(self.finish_reason, self._stops.text, Usage(len(self.prompt_ids), len(self.tokens)),
                         tuple(self.tokens), ttft, ended - self.started, self.index,
                         tuple(self._logprobs) if self.params.logprobs is not None else None, gaps)
+
+    def _close_ahead(self) -> None:
+        """Undo a step launched for a token this sequence will not take; the decoder is free again."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
     def _emit(self, text: str) -> None:
         self.emit(TextDelta(text, self.index, tuple(self._logprobs[self._reported:]), len(self.tokens)))

@@ -267,6 +267,12 @@ class EagerStaticDecoder:
         logits, self.cache = self.runner.forward(torch.tensor([[token]]), self.cache)
         return logits
 
+    def launch(self, token):  # never launches ahead: DecodeAhead waits for each step (step())
+        return None
+
+    def abandon(self) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 
