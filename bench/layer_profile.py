@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.e2e.generation import prompt_ids, synchronize, timed_generation, token_picker, warm_up  # noqa: E402
+from bench.e2e.generation import (  # noqa: E402
+    prompt_ids, synchronize, timed_generation, token_picker, token_sampler, warm_up)
 from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
@@ -111,38 +112,49 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     return loaded.model, decoder, loaded.expert_source, closers, daemon
 
 
-def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int, sample_seed: int | None = None
-                   ) -> dict:
+def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int, sample_seed: int | None = None,
+                   decode_ahead: bool = True) -> dict:
     """Device time by kind over `steps` decode steps after a short prompt, and the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     ids = prompt_ids(vocab, 8)[0].tolist()
+    ahead = None
     with torch.inference_mode():
-        if decoder is not None:
-            logits = decoder.start(ids)
-            step = lambda token: decoder.step(token)  # noqa: E731
+        if decoder is not None:  # as the timed decode runs: one token ahead, picked on the device
+            from inference.engine.decode_ahead import DecodeAhead
+
+            ahead = DecodeAhead(decoder, token_sampler(device, sample_seed, ids))
+            ahead.first(ids, more=decode_ahead)
+
+            def run(count: int) -> None:
+                for _ in range(count):
+                    ahead.next(more=decode_ahead)
         else:
             from bench.e2e.generation import _cache_keyword, _cache_of
 
             keyword = _cache_keyword(model)
             out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
             state = {"cache": _cache_of(out)}
-            logits = out.logits[0, -1]
 
             def step(token: int) -> torch.Tensor:
                 result = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
                                **{keyword: state["cache"]})
                 state["cache"] = _cache_of(result)
                 return result.logits[0, -1]
+
+            # as the timed decode picks (on the device): the profiled steps are the steps timed
+            pick = token_picker(device, sample_seed)
+            state["logits"] = out.logits[0, -1]
+
+            def run(count: int) -> None:
+                for _ in range(count):
+                    state["logits"] = step(pick(state["logits"]))
         synchronize(device)
-        # as the timed decode picks (on the device): the profiled steps are the steps timed
-        pick = token_picker(device, sample_seed)
 
         with profile(activities=activities) as prof:
             started = time.perf_counter()
-            for _ in range(steps):
-                logits = step(pick(logits))
+            run(steps)
             synchronize(device)
             wall = time.perf_counter() - started
         import cProfile
@@ -151,10 +163,11 @@ def _profile_steps(model, decoder, device: torch.device, vocab: int, steps: int,
 
         host = cProfile.Profile()  # where the host's time goes in as many steps again (Python functions)
         host.enable()
-        for _ in range(steps):
-            logits = step(pick(logits))
+        run(steps)
         synchronize(device)
         host.disable()
+        if ahead is not None:
+            ahead.close()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
     kinds: dict[str, float] = {}
@@ -305,7 +318,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         hints_before = policy.stats() if policy is not None else None
         timing = timed_generation(built, device, vocab_size=vocab, prompt_len=args.prompt_len,
                                   tokens=args.tokens, deadline=time.perf_counter() + 600, decoder=decoder,
-                                  sample_seed=sample_seed)
+                                  sample_seed=sample_seed, decode_ahead=not args.wait_each_step)
         waited = (source.expert_wait_seconds() - wait_before) if source is not None else 0.0
         hints = {} if policy is None else _hint_traffic(hints_before, policy.stats(), timing["decoded"])
         traffic = {}
@@ -332,7 +345,8 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         pool = shared.pool if shared is not None else None
         share_timed = shared.share_now if shared is not None else None  # where the timed decode ended
         pool_before = pool.stats() if pool is not None else None
-        profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed)
+        profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed,
+                                  decode_ahead=not args.wait_each_step)
         if pool is not None:  # the CPU's time per job (two a layer) over the profiled steps
             pool_after = pool.stats()
             jobs = pool_after.jobs - pool_before.jobs
@@ -355,10 +369,12 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
               "budget": args.budget, "host_budget": args.host_budget, "lookahead": lookahead,
               "host_reads": not args.no_host_reads,
               "lookahead_min_precision": policy.min_precision if policy is not None else None, "decode": args.decode,
+              "decode_ahead": decoder is not None and not args.wait_each_step,
               **traffic, **hints,
               **profiled, "prefill_profile": prefill_profile}
     if decoder is not None:
-        record.update(steps_redone=decoder.redone_steps, steps_piecewise=decoder.piecewise_steps,
+        record.update(steps_redone=decoder.redone_steps, steps_abandoned=decoder.abandoned_steps,
+                      steps_piecewise=decoder.piecewise_steps,
                       steps_through_slot_map=decoder.lookup_steps, prefills_through_slot_map=decoder.lookup_prefills,
                       prefills_redone=decoder.redone_prefills)
     busy = sum(profiled["device_us_by_kind"].values()) / 1e6
@@ -436,7 +452,8 @@ def report(results: dict) -> str:
                          f"reads of {r['read_ms_mean']:.2f} ms mean, fence waits "
                          f"{r['fence_wait_ms_per_token']:.2f} ms; decode steps "
                          f"through the slot map {r.get('steps_through_slot_map', '-')}, piecewise "
-                         f"{r.get('steps_piecewise', '-')}, redone {r.get('steps_redone', '-')}")
+                         f"{r.get('steps_piecewise', '-')}, redone {r.get('steps_redone', '-')}, launched ahead "
+                         f"and undone {r.get('steps_abandoned', '-')}")
     for mode, r in results["modes"].items():
         if r.get("top_kernels_us_per_step"):
             lines.append(f"{mode}: {r['kernels_per_step']:.0f} kernels per step; top: " + "; ".join(
@@ -477,6 +494,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu-experts-share", type=float, default=None, metavar="F",
                         help="storaged-graph-cpu: share of each layer's host-tier experts they take, fixed "
                              "(default: tuned while decoding, from 0.35)")
+    parser.add_argument("--wait-each-step", action="store_true",
+                        help="static decoder modes: wait for each step before picking its token (no step "
+                             "launched ahead, inference.engine.decode_ahead): the baseline of decoding ahead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:

@@ -9,6 +9,9 @@
 #   (scripts/moe_coverage.py --device cuda [--types $GPU_HOTPATH_COVERAGE_TYPES]; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
 #   py-spy wheel carried in .whl/, the profile runs under `py-spy record --subprocesses` (daemon
 #   included), its collapsed stacks in $OUT/pyspy.txt.gz.
+#   (7) with PROFILE_WAIT_BASELINE=1, the profile runs again with --wait-each-step (each step waited
+#   for before its token is picked: the baseline of decoding one token ahead) into profile-wait.json.
+#   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no kernels bench).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,7 @@ if [[ -f .llamacpp/llama.cpp-src.tar.gz || -d .llamacpp/pack ]]; then
     LLAMA_PID=$!
 fi
 
+if [[ "${GPU_HOTPATH_TESTS_S:-200}" != 0 ]]; then
 echo "=== GPU tests of the fast path"
 timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py tests/inference/test_piecewise.py \
@@ -44,6 +48,7 @@ tests_rc=${PIPESTATUS[0]}
 # pytest's 5: nothing collected or everything deselected (e.g. a -k inside GPU_HOTPATH_TESTS)
 ((tests_rc == 5)) && echo "GPU tests: none ran; GPU_HOTPATH_TESTS selects no test (paths and node ids only)"
 ((tests_rc != 0)) && failed=1
+fi
 
 if [[ -n "${LLAMA_PID:-}" ]]; then
     echo "=== waiting for the llama.cpp build"
@@ -59,11 +64,13 @@ if [[ "${GPU_HOTPATH_COVERAGE:-0}" == 1 ]]; then
     tail -5 "$OUT/logs/coverage.log"; cp docs/moe_coverage.json "$OUT/moe_coverage.json"
 fi
 
+if [[ "${GPU_HOTPATH_CPU_S:-120}" != 0 ]]; then
 echo "=== CPU experts kernels"
 timeout --kill-after=10 "${GPU_HOTPATH_CPU_S:-120}" python3 bench/host_experts_bench.py --threads ${GPU_HOTPATH_CPU_THREADS:-1 12} \
     ${GPU_HOTPATH_CPU_BASELINE:+--baseline "$GPU_HOTPATH_CPU_BASELINE"} --json "$OUT/host_experts_bench.json" 2>&1 \
     | tee "$OUT/logs/host_experts_bench.log" | tail -8
 ((PIPESTATUS[0] != 0)) && failed=1
+fi
 
 echo "=== profile"
 WRAP=()
@@ -73,6 +80,12 @@ fi
 timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" "${WRAP[@]}" python3 bench/layer_profile.py --device cuda \
     --out "$OUT/profile.json" ${LLAMA_BIN:+--llamacpp-bin "$LLAMA_BIN"} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile.log" | tail -20
 ((PIPESTATUS[0] != 0)) && failed=1
+if [[ "${PROFILE_WAIT_BASELINE:-0}" == 1 ]]; then
+    echo "=== profile, each step waited for (--wait-each-step)"
+    timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda --wait-each-step \
+        --out "$OUT/profile-wait.json" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile-wait.log" | tail -20
+    ((PIPESTATUS[0] != 0)) && failed=1
+fi
 [[ -f /tmp/pyspy.txt ]] && gzip -c /tmp/pyspy.txt > "$OUT/pyspy.txt.gz"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 exit $failed

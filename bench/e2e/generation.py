@@ -62,17 +62,19 @@ def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int, decod
 @torch.inference_mode()
 def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size: int, prompt_len: int,
                      tokens: int, deadline: float, on_decode_start: Callable[[], None] | None = None,
-                     sample_seed: int | None = None, min_seconds: float = 0.0, decoder=None) -> dict:
+                     sample_seed: int | None = None, min_seconds: float = 0.0, decoder=None,
+                     decode_ahead: bool = True) -> dict:
     """prefill_seconds, decode_seconds, decoded (tokens), and the token ids (for cross-checks).
 
     sample_seed: None decodes greedily, else samples with that seed. The deadline is moved to
     `min_seconds` after the prefill starts when it is earlier: a slow cold start must not leave a
     contender no time to decode. decoder: a StaticDecoder (inference.engine.decode_graph) runs the
-    prefill and the steps instead of the model's own KV cache loop."""
+    prefill and the steps instead of the model's own KV cache loop, one token ahead unless
+    decode_ahead is False (then each step is waited for before its token is picked)."""
     if decoder is not None:
         return _static_generation(decoder, device, vocab_size=vocab_size, prompt_len=prompt_len, tokens=tokens,
                                   deadline=deadline, on_decode_start=on_decode_start, sample_seed=sample_seed,
-                                  min_seconds=min_seconds)
+                                  min_seconds=min_seconds, ahead=decode_ahead)
     keyword = _cache_keyword(model)
     generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
 
@@ -106,36 +108,45 @@ def timed_generation(model: torch.nn.Module, device: torch.device, *, vocab_size
             "decoded": len(generated) - 1, "token_ids": generated}
 
 
+def token_sampler(device: torch.device, sample_seed: int | None, prompt: list[int] | None = None):
+    """The next token as the decoding loops here pick it, with inference's own sampler: argmax, or
+    a draw at temperature 1 from a generator seeded with sample_seed on the device."""
+    from inference.engine.params import SamplingParams
+    from inference.engine.sampling import TokenSampler
+
+    params = SamplingParams(max_tokens=1, temperature=0.0 if sample_seed is None else 1.0, seed=sample_seed)
+    return TokenSampler(params, prompt or [], device=device)
+
+
 def token_picker(device: torch.device, sample_seed: int | None) -> Callable[[torch.Tensor], int]:
-    """The next token from logits [vocab] as the decoding loops here pick it: argmax, or a draw at
-    temperature 1 from a generator seeded with sample_seed on the device (as inference samples)."""
-    generator = None if sample_seed is None else torch.Generator(device=device).manual_seed(sample_seed)
-
-    def pick(logits: torch.Tensor) -> int:  # [vocab]
-        if generator is None:
-            return int(logits.argmax())
-        return int(torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator))
-
-    return pick
+    """token_sampler's choice as a function of logits [vocab] (for loops that feed the model themselves)."""
+    sampler = token_sampler(device, sample_seed)
+    return lambda logits: sampler.step(logits)[0]
 
 
 def _static_generation(decoder, device: torch.device, *, vocab_size: int, prompt_len: int, tokens: int,
-                       deadline: float, on_decode_start, sample_seed: int | None, min_seconds: float) -> dict:
-    pick = token_picker(device, sample_seed)
+                       deadline: float, on_decode_start, sample_seed: int | None, min_seconds: float,
+                       ahead: bool) -> dict:
+    """As inference decodes alone on a static decoder: one token ahead (inference.engine.decode_ahead),
+    or, without `ahead`, waiting for each step (no step is launched before its token is read)."""
+    from inference.engine.decode_ahead import DecodeAhead
+
     ids = prompt_ids(vocab_size, prompt_len)[0].tolist()
     synchronize(device)
     started = time.perf_counter()
     deadline = max(deadline, started + min_seconds)
-    generated = [pick(decoder.start(ids))]
+    decoding = DecodeAhead(decoder, token_sampler(device, sample_seed, ids))
+    generated = [decoding.first(ids, more=ahead and tokens > 0)[0]]
     prefill_seconds = time.perf_counter() - started
     if on_decode_start is not None:
         on_decode_start()
     redone_before = decoder.redone_steps
     started = time.perf_counter()
-    for _ in range(tokens):
-        generated.append(pick(decoder.step(generated[-1])))
+    for index in range(tokens):
+        generated.append(decoding.next(more=ahead and index + 1 < tokens)[0])
         if time.perf_counter() > deadline and len(generated) > 2:
             break
-    decode_seconds = time.perf_counter() - started
+    decode_seconds = time.perf_counter() - started  # every token counted was read; a step launched past the last is not
+    decoding.close()
     return {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds, "decoded": len(generated) - 1,
             "token_ids": generated, "static_steps_redone": decoder.redone_steps - redone_before}
