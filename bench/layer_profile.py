@@ -311,7 +311,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         if source is not None:  # below 100%: VRAM ends with the last experts acquired, the host tier the rest
             _prewarm(source, model.bundle_dir)
         started = time.perf_counter()
-        warm_up(built, device, vocab, decoder, prompt_len=args.prompt_len)
+        warm_up(built, device, vocab, decoder, prompt_len=args.prompt_len, sample_seed=sample_seed)
         warm_up_s = time.perf_counter() - started
         wait_before = source.expert_wait_seconds() if source is not None else 0.0
         before = daemon.client.stats() if daemon is not None else None

@@ -37,18 +37,25 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
 
 @torch.inference_mode()
 def warm_up(model: torch.nn.Module, device: torch.device, vocab_size: int, decoder=None,
-            prompt_len: int = 2) -> None:
+            prompt_len: int = 2, sample_seed: int | None = None) -> None:
     """Untimed: a 2-token prefill and two cached decode steps, so the kernels of both phases are
     compiled (triton) and chosen before the clock starts. A prefill alone left the first budget's
     decode paying for the decode-shape kernels (third GPU run: 100% slower than 50%). With a
     StaticDecoder, its decode step is captured as a CUDA graph here, and a prefill of
-    `prompt_len` tokens captures that length's prefill graph (when every expert is resident)."""
+    `prompt_len` tokens captures that length's prefill graph (when every expert is resident), and
+    the tokens are picked as the timed loop picks them (sample_seed), one token ahead: the
+    sampler's kernels and page-locked copies are ready before the clock starts."""
     if decoder is not None:
-        logits = decoder.start(prompt_ids(vocab_size, 2, seed=99)[0].tolist())
-        for _ in range(2):
-            logits = decoder.step(int(logits.argmax()))
+        from inference.engine.decode_ahead import DecodeAhead
+
+        ids = prompt_ids(vocab_size, 2, seed=99)[0].tolist()
+        ahead = DecodeAhead(decoder, token_sampler(device, sample_seed, ids))
+        ahead.first(ids, more=True)
+        for index in range(2):
+            ahead.next(more=index == 0)
         if prompt_len > 2:
-            decoder.start(prompt_ids(vocab_size, prompt_len, seed=98)[0].tolist())
+            ids = prompt_ids(vocab_size, prompt_len, seed=98)[0].tolist()
+            DecodeAhead(decoder, token_sampler(device, sample_seed, ids)).first(ids, more=False)
         synchronize(device)
         return
     keyword = _cache_keyword(model)

@@ -52,7 +52,7 @@ def _run_one_budget(name: str, model: PreparedModel, fraction: float, spec: dict
         vocab = built.model.config.vocab_size
         counter = ReadCounter(block_device_stat(model.bundle_dir), list(built.reader_pids))
         counter.start()
-        warm_up(built.model, device, vocab, built.decoder)
+        warm_up(built.model, device, vocab, built.decoder, sample_seed=spec.get("sample_seed"))
         result["warm_up_reads"] = counter.stop()
         ready = built.before_timing()
         if ready:

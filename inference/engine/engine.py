@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from inference.engine import source_hooks
+from inference.engine import sampling, source_hooks
 from inference.engine.errors import (
     EngineClosedError,
     EngineError,
@@ -125,6 +125,7 @@ class Engine:
                              cpu_experts=cpu_experts)
         if runner.decoder is not None:  # before the server reports ready, not in the first request
             runner.decoder.prepare()
+            sampling.warm_up(runner.device, runner.vocab_size)
         if metrics is not None and getattr(loaded, "hint_policy", None) is not None:
             metrics.watch_hints(loaded.hint_policy)
         if metrics is not None and cpu_experts is not None and runner.decoder is not None:

@@ -254,3 +254,13 @@ class TokenSampler:
         if self._history is not None:
             self._history[0, len(self._prompt_ids) + self.generated] = token
         self.generated += 1
+
+
+def warm_up(device: torch.device, vocab: int) -> None:
+    """A greedy and a sampled pick once, read: on CUDA their kernels load (modules load lazily) and
+    the host copies' page-locked blocks are allocated before the first request, whose first
+    token would otherwise wait tens of milliseconds for them."""
+    logits = torch.zeros(vocab, device=device)  # [V]
+    for params in (SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=1, seed=0, logprobs=1)):
+        sampler = TokenSampler(params, [], device=device)
+        sampler.accept(sampler.pick(logits))
