@@ -239,7 +239,7 @@ def _states(pids):
     return {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids}
 
 
-def _settled_states(pids, expect_stopped: bool, timeout: float = 5.0):
+def _settled_states(pids, expect_stopped: bool, timeout: float = 20.0):
     """The processes' states once each is stopped ('T') or each is not, or at the timeout: a signal
     is delivered when the process is next scheduled, not when kill(2) returns."""
     deadline = time.monotonic() + timeout
