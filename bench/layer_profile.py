@@ -28,6 +28,7 @@ host time spent acquiring experts. Prints a table last; --out keeps JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -50,6 +51,9 @@ from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
 
 MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu", "storaged-eager",
          "llamacpp")
+GRAPH_MODES = ("storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu")  # the static decoder's
+SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION"}  # --sdpa-backend -> torch.nn.attention.SDPBackend
 # kernel name -> kind; the first pattern that matches wins
 KINDS = (
     ("experts GEMV", r"moe_gemv"),
@@ -279,9 +283,11 @@ def run(args) -> dict:
                "moe_layers": model.moe_layers, "gemv_sweep": tuned,
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
+    results["sdpa_backend"] = args.sdpa_backend
     for mode in args.modes:
         try:
-            results["modes"][mode] = _run_mode(mode, args, model, device, dtype, workdir)
+            with _sdpa_backend(args.sdpa_backend):  # graphs captured under it keep its kernels
+                results["modes"][mode] = _run_mode(mode, args, model, device, dtype, workdir)
         except Exception as exc:  # one mode's failure must not lose the others' figures
             traceback.print_exc()
             results["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:4000]}
@@ -289,6 +295,15 @@ def run(args) -> dict:
         if args.out is not None:  # kept after every mode: a later one may exhaust the time limit
             args.out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def _sdpa_backend(name: str | None):
+    """Only that family of torch's attention kernels (warm-up and capture included), or torch's choice."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
 def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, workdir: Path) -> dict:
@@ -497,8 +512,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--wait-each-step", action="store_true",
                         help="static decoder modes: wait for each step before picking its token (no step "
                              "launched ahead, inference.engine.decode_ahead): the baseline of decoding ahead")
+    parser.add_argument("--sdpa-backend", choices=list(SDPA_BACKENDS), default=None,
+                        help="the one family of kernels torch's scaled_dot_product_attention may use in the torch "
+                             "modes, captured graphs included (default: torch's choice); a mode it cannot serve "
+                             "reports the error")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.wait_each_step and not set(GRAPH_MODES) & set(args.modes):
+        parser.error(f"--wait-each-step is for the static decoder's modes ({', '.join(GRAPH_MODES)})")
+    if args.sdpa_backend is not None and set(args.modes) == {"llamacpp"}:
+        parser.error("--sdpa-backend is for the torch modes; llama.cpp has kernels of its own")
     if not 0 < args.budget <= 1:
         parser.error(f"--budget must be in (0, 1], got {args.budget}")
     if args.host_budget is not None and not (args.budget < 1 and 0 <= args.host_budget <= 1):

@@ -25,9 +25,13 @@ from bench import layer_profile  # noqa: E402
     (["--budget", "0.5", "--lookahead", "0", "--lookahead-min-precision", "0.5"],
      "--lookahead-min-precision needs lookahead on"),
     (["--lookahead-min-precision", "0.5"], "--lookahead-min-precision needs lookahead on"),
+    (["--wait-each-step", "--modes", "resident", "storaged-eager"], "--wait-each-step is for the static decoder's"),
+    (["--sdpa-backend", "cudnn", "--modes", "llamacpp"], "--sdpa-backend is for the torch modes"),
+    (["--sdpa-backend", "fast"], "invalid choice: 'fast'"),
 ], ids=["zero budget", "budget above 1", "llamacpp below 100%", "resident below 100%",
         "host budget at 100%", "host budget above 1", "min precision above 1", "min precision, lookahead 0",
-        "min precision at 100% (lookahead off)"])
+        "min precision at 100% (lookahead off)", "wait each step without a static decoder mode",
+        "sdpa backend for llama.cpp alone", "unknown sdpa backend"])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         layer_profile.parse_args(argv)
@@ -78,3 +82,15 @@ def test_a_run_with_lookahead_reports_its_hints(tmp_path):
     assert record["hints_sent_per_token"] > 0 and record["hints_withheld_per_token"] == 0
     assert record["hinted_experts_per_token"] >= record["hints_sent_per_token"]
     assert 0 <= record["hint_precision"]["single"] <= 1
+
+
+def test_the_sdpa_backend_is_the_only_one_attention_may_use():
+    import torch
+    import torch.nn.functional as F
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with layer_profile._sdpa_backend("math"):
+        F.scaled_dot_product_attention(q, k, v)
+    with layer_profile._sdpa_backend("cudnn"), pytest.raises(RuntimeError, match="No viable backend"):
+        F.scaled_dot_product_attention(q, k, v)  # no cuDNN attention on the CPU
+    F.scaled_dot_product_attention(q, k, v)  # and torch's choice again after
