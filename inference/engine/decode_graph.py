@@ -450,8 +450,10 @@ class StaticDecoder:
                 done.record()
             else:
                 misses, done = self.misses.clone(), None
-        except BaseException:
+        except BaseException:  # the request fails; the next start() resets the cache and its length
             self._synchronize()
+            self.abandoned_steps += len(self._launched)
+            self.steps -= len(self._launched)
             self._launched.clear()
             try:
                 self.fence.end(fence_step)  # nothing of it runs any more; the steps before it ended with it
