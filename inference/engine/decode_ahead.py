@@ -8,8 +8,8 @@ device already runs the next step.
     ahead.close()                                # undoes a step launched for a token never needed
 
 Without it a decode step is two host syncs apart from the next (the step's miss count, then the
-sampled token), and the device idles while the host turns one into the other: 0.3-0.8 ms a step
-on the H200, 15-20% of an all-hit step (docs/benchmarks.md).
+sampled token), and the device idles while the host turns one into the other: 0.39-1.0 ms a step
+on the H200; one token ahead, about 0.1, and decode 1.19-1.33x faster (docs/benchmarks.md).
 
 The order of a step, all queued on one stream:
 
