@@ -128,8 +128,10 @@ class Engine:
             sampling.warm_up(runner.device, runner.vocab_size)
         if metrics is not None and getattr(loaded, "hint_policy", None) is not None:
             metrics.watch_hints(loaded.hint_policy)
-        if metrics is not None and cpu_experts is not None and runner.decoder is not None:
-            metrics.watch_cpu_experts(runner.decoder)
+        if metrics is not None and runner.decoder is not None:
+            metrics.watch_static_decoder(runner.decoder)
+            if cpu_experts is not None:
+                metrics.watch_cpu_experts(runner.decoder)
         return cls(runner, loaded.expert_source, metrics=metrics, max_queue=max_queue,
                    request_timeout=request_timeout, stall_timeout=stall_timeout, max_num_seqs=max_num_seqs,
                    prefill_chunk=prefill_chunk)

@@ -95,6 +95,10 @@ class EngineMetrics:
         scrape: the pool's jobs, refused jobs and busy seconds, and the share it takes now."""
         self.registry.register(_CpuExpertsCollector(decoder, self.model))
 
+    def watch_static_decoder(self, decoder) -> None:
+        """Export a StaticDecoder's step outcomes at every scrape (inference.engine.decode_graph)."""
+        self.registry.register(_StaticDecoderCollector(decoder, self.model))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -129,6 +133,29 @@ class _CpuExpertsCollector:
                                   "experts compute now", labels=["model"])
         share.add_metric([self.model], shared.share_now)
         yield share
+
+
+class _StaticDecoderCollector:
+    """Reads a StaticDecoder's step counters when scraped: how its decode steps ended. Many
+    `redone` or `backoff` steps mean the tiers hold less than the requests route to."""
+
+    OUTCOMES = (("slot_map", "lookup_steps"),  # every expert found through the slot map
+                ("redone", "redone_steps"),  # an expert absent: undone, run again on the acquire path
+                ("backoff", "skipped_steps"),  # on the acquire path straight away, after recent misses
+                ("launched_ahead_undone", "abandoned_steps"))  # launched for a token never needed
+
+    def __init__(self, decoder, model: str):
+        self.decoder = decoder
+        self.model = model
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(f"{PREFIX}static_decoder_steps", "Decode steps of the static (CUDA graph) "
+                                     "decoder, by how they ended", labels=["model", "outcome"])
+        for outcome, attribute in self.OUTCOMES:
+            family.add_metric([self.model, outcome], getattr(self.decoder, attribute))
+        yield family
 
 
 class _HintCollector:

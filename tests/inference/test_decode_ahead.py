@@ -14,6 +14,7 @@ from test_storaged_source_fixtures import StoragedDaemon, cases_dir, qwen_case  
 
 from inference.engine.decode_ahead import DecodeAhead
 from inference.engine.generate import ModelRunner
+from inference.engine.metrics import EngineMetrics
 from inference.engine.params import SamplingParams
 from inference.engine.sampling import TokenSampler
 from inference.experts.storaged_source import StoragedExpertSource
@@ -66,6 +67,8 @@ def test_decoding_ahead_gives_the_tokens_and_draws_of_waiting_for_each_step(qwen
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
                                  expert_source=loaded.expert_source, static_cache_len=64)
             decoder, fence = runner.decoder, loaded.expert_source.device_lookup()[4]
+            metrics = EngineMetrics("m")
+            metrics.watch_static_decoder(decoder)
             runs = {}
             for params in SAMPLINGS:
                 waited = runs[params["temperature"]] = _waiting(decoder, DEVICE, params)
@@ -78,6 +81,11 @@ def test_decoding_ahead_gives_the_tokens_and_draws_of_waiting_for_each_step(qwen
                 else:  # misses: the step launched after a step that missed was undone with it
                     assert decoder.redone_steps > redone and decoder.abandoned_steps > abandoned
             assert decoder.lookup_steps + decoder.redone_steps + decoder.skipped_steps == decoder.steps
+            scraped = {outcome: metrics.registry.get_sample_value("expertpack_inference_static_decoder_steps_total",
+                                                                  {"model": "m", "outcome": outcome})
+                       for outcome in ("slot_map", "redone", "backoff", "launched_ahead_undone")}
+            assert scraped == {"slot_map": decoder.lookup_steps, "redone": decoder.redone_steps,
+                               "backoff": decoder.skipped_steps, "launched_ahead_undone": decoder.abandoned_steps}
             if vram_slots is None:
                 # a request ended by a stop token before max_tokens: its step launched ahead is undone
                 greedy = [token for token, _ in runs[0.0]]
