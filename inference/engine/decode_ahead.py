@@ -25,7 +25,8 @@ and is waited for as before.
 
 from __future__ import annotations
 
-from inference.engine.decode_graph import LaunchedStep, StaticDecoder
+from inference.engine.decode_graph import StaticDecoder
+from inference.engine.decode_launch import LaunchedStep
 from inference.engine.params import TokenLogprob
 from inference.engine.sampling import PickedToken, TokenSampler
 

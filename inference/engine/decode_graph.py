@@ -16,18 +16,9 @@ the experts calls (inference.engine.piecewise), the experts acquired and compute
 the pieces. The session's step fence brackets the device work, so storaged never reuses a slot
 the step may read.
 
-`launch` starts a step on the slot map without waiting for it: its input token may still be on
-the device (the previous step's pick), and a second step may be launched before the first is
-settled, so the host's work between steps (reading the token, emitting text) overlaps the
-device's (inference.engine.decode_ahead). The steps settle in launch order; a step that met an
-absent expert is undone together with every step launched after it, and run again with `redo`.
+`launch` starts a step on the slot map without waiting for it (inference.engine.decode_launch).
 
-The prefill runs the same way: the prompt padded to a power of two (at least PREFILL_MIN_BUCKET
-tokens, at most PREFILL_MAX_BUCKET and the cache), one CUDA graph per such length, captured on
-first use; the padding's keys lie past the prompt, where the mask hides them until decode steps
-overwrite them, and the logits are taken at the last prompt token. A prefill that met an absent
-expert runs again eagerly on the acquire path. Without it, a prefill would be bound by the
-host: a few hundred eager launches per layer's worth of Python.
+The prefill runs the same way, a graph per padded length (inference.engine.prefill_graphs).
 
 Where it applies (`why_not` says otherwise): a CUDA device (elsewhere the same step runs
 uncaptured, which tests use on the CPU), the fused experts path on every MoE layer, a storaged
@@ -41,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 
@@ -50,49 +40,14 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from inference.engine.compiled_layers import compiled_layers, why_not_compiled
+from inference.engine.decode_launch import MAX_BACKOFF_STEPS, LaunchAhead, LaunchedStep
 from inference.engine.piecewise import PiecewiseStep
+from inference.engine.prefill_graphs import PaddedPrefill, PrefillGraphs
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding, expertpack_experts_forward
-from inference.experts.host_reads import host_tier_pairs, reads_host_tier
+from inference.experts.host_reads import reads_host_tier
 
 log = logging.getLogger(__name__)
-MAX_BACKOFF_STEPS = 32  # most steps decoded on the acquire path after misses before trying the graph again
-PREFILL_MIN_BUCKET = 16  # shortest padded prefill (tokens): fewer graphs for short prompts
-PREFILL_MAX_BUCKET = 1024  # longer prompts prefill eagerly
-
-
-def prefill_bucket(count: int, max_len: int) -> int | None:
-    """The padded length a prompt of `count` tokens prefills at through a graph, or None (eager)."""
-    bucket = max(PREFILL_MIN_BUCKET, 1 << (count - 1).bit_length())
-    return bucket if bucket <= min(max_len, PREFILL_MAX_BUCKET) else None
-
-
-@dataclasses.dataclass
-class _Prefill:
-    """The static inputs of one padded prefill length, and its graph once captured."""
-
-    ids: torch.Tensor  # [1, B] the prompt, then padding
-    positions: torch.Tensor  # [1, B]
-    mask: torch.Tensor  # [1, 1, B, L] causal over the cache
-    last: torch.Tensor  # [1] index of the last prompt token: the logits kept
-    graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None
-
-
-@dataclasses.dataclass
-class LaunchedStep:
-    """A decode step launched on the slot map and not settled yet."""
-
-    logits: torch.Tensor  # [V] the step's logits (the graph's buffer: read them before the next launch)
-    fence_step: int  # its number in the session's step fence
-    misses: torch.Tensor  # [1] int32 on the CPU: its absent experts, once `done` (pinned on CUDA)
-    done: torch.cuda.Event | None  # recorded after its work; None off CUDA (the work has completed)
-    launched_at: float  # time.perf_counter()
-
-
-MAX_LAUNCHED_STEPS = 2  # steps launched and not settled: the one being read, and the next
-
-
 def why_not(model: torch.nn.Module, source, device: torch.device) -> str | None:
     """Why `model` cannot decode with StaticDecoder on `device`, or None when it can."""
     bindings = _bindings(model)
@@ -120,7 +75,7 @@ def _bindings(model: torch.nn.Module) -> dict[int, ExpertsBinding]:
     return found
 
 
-class StaticDecoder:
+class StaticDecoder(PrefillGraphs, LaunchAhead):
     def __init__(self, model: torch.nn.Module, source, max_len: int, *, cache_keyword: str, capture: bool,
                  lookup_prefill: bool | None = None, compile_layers: bool | None = None,
                  piecewise: bool | None = None, cpu_experts=None):
@@ -150,7 +105,7 @@ class StaticDecoder:
         # prefill through the slot map (padded, a graph per length when capturing); on by default
         # with capture, where it takes the host's launches out of the prefill
         self.lookup_prefill = capture if lookup_prefill is None else lookup_prefill
-        self._prefills: dict[int, _Prefill] = {}
+        self._prefills: dict[int, PaddedPrefill] = {}
         self.lookup_prefills = self.redone_prefills = 0
         if compile_layers and (reason := why_not_compiled(model)) is not None:
             raise ValueError(f"compile_layers: {reason}")
@@ -320,63 +275,6 @@ class StaticDecoder:
         mask = self._kv_index <= positions.view(1, 1, count, 1)  # [1, 1, P, L] causal over the cache
         return self._call(ids, positions, mask)
 
-    def _lookup_prefill(self, prompt_ids: list[int]) -> torch.Tensor | None:
-        """The prefill padded to its bucket through the slot map (its graph, captured on first
-        use); None when the prompt has no bucket or an expert was absent (cache left dirty)."""
-        count = len(prompt_ids)
-        bucket = prefill_bucket(count, self.max_len)
-        if bucket is None or not self._every_expert_resident(bucket):
-            return None
-        prefill = self._prefills.get(bucket)
-        if prefill is None:
-            prefill = self._prefills[bucket] = self._new_prefill(bucket)
-        padded = torch.zeros((1, bucket), dtype=torch.long)  # [1, B] padding: token 0
-        padded[0, :count] = torch.tensor(prompt_ids, dtype=torch.long)
-        prefill.ids.copy_(padded)
-        prefill.last.fill_(count - 1)
-        if prefill.graph is not None:
-            logits = self._fenced(prefill.graph.replay, lambda: prefill.logits)
-        else:
-            logits = self._fenced(None, lambda: self._prefill_call(prefill))
-        if logits is None:
-            self.redone_prefills += 1
-            return None
-        for layer in self.cache.layers:  # the padding's keys stay past the length, masked, then overwritten
-            layer.cumulative_length.fill_(count)
-        self.lookup_prefills += 1
-        return logits
-
-    def _every_expert_resident(self, tokens: int) -> bool:
-        """Whether the slot map holds every expert of the model now (with the host tier's, when a
-        prefill of `tokens` reads them in place): a prompt routes to most of a layer's experts, so
-        short of that the optimistic prefill would mostly be thrown away."""
-        lookup = self.source.device_lookup()
-        if lookup is None:
-            return False
-        slot_map, host = lookup[0], lookup[5]
-        top_k = getattr(self.model.config, "num_experts_per_tok", None)
-        pairs = min((host_tier_pairs(b) for b in self.bindings.values()), default=0)
-        if host is not None and top_k is not None and tokens * top_k <= pairs:
-            slot_map = host.merge(slot_map)
-        return bool((slot_map >= 0).all())
-
-    def _new_prefill(self, bucket: int) -> _Prefill:
-        positions = torch.arange(bucket, device=self.device).view(1, bucket)
-        prefill = _Prefill(torch.zeros((1, bucket), dtype=torch.long, device=self.device), positions,
-                           self._kv_index <= positions.view(1, 1, bucket, 1),
-                           torch.zeros(1, dtype=torch.long, device=self.device))
-        if self.capture:
-            prefill.graph, prefill.logits = self._capture_graph(lambda: self._prefill_call(prefill))
-            log.info("prefill of %d tokens captured as a CUDA graph", bucket)
-        return prefill
-
-    def _prefill_call(self, prefill: _Prefill) -> torch.Tensor:
-        self.misses.zero_()
-        self._merge_maps()
-        out = self.model(input_ids=prefill.ids, position_ids=prefill.positions, attention_mask=prefill.mask,
-                         use_cache=True, logits_to_keep=prefill.last, **{self.cache_keyword: self.cache})
-        return out.logits[0, -1]  # [V]
-
     def step(self, token: int) -> torch.Tensor:
         """Logits [V] after feeding `token` at the next position; reads experts via the slot map,
         and runs the step again on the acquire path if one of them was absent."""
@@ -405,138 +303,6 @@ class StaticDecoder:
             logits = self._acquire_step()
         self.length += 1
         return logits
-
-    # --- steps not waited for -----------------------------------------------------------------
-
-    def can_launch(self) -> bool:
-        """Whether the next step may be launched now: through the slot map (not backing off after
-        misses), a free place in the cache and in the launch queue."""
-        return (self.lookup_enabled and self._skip == 0 and len(self._launched) < MAX_LAUNCHED_STEPS
-                and self.length < self.max_len and (self._graph is not None or not self.capture))
-
-    def launch(self, token: torch.Tensor) -> LaunchedStep | None:
-        """Launch the step that feeds `token` ([1] int64 on the device, e.g. a pick not yet read)
-        at the next position, reading experts through the slot map, without waiting for it. None
-        when it cannot (can_launch, or the fence was revoked): step() then. Settle it before reading
-        its logits on the host; its logits buffer is the next launch's too."""
-        if not self.can_launch():
-            return None
-        from storaged.client.dataplane import FenceRevoked
-
-        if not self._launched:
-            finish = getattr(self.source, "finish_resident_step", None)
-            if callable(finish):  # a forward that failed midway may have left the source's resident step open
-                finish()
-        try:
-            fence_step = self.fence.begin()
-        except FenceRevoked:
-            self._revoked()
-            return None
-        try:
-            self.ids.copy_(token.view(1, 1))
-            self.positions.fill_(self.length)
-            if self._graph is not None:
-                self._graph.replay()
-                logits = self._graph_logits
-            else:
-                self._set_lookup(True)
-                try:
-                    logits = self._step_call()
-                finally:
-                    self._set_lookup(False)
-            if self.misses.is_cuda:
-                misses = self.misses.to("cpu", non_blocking=True)  # pinned: waits for this step's work alone
-                done = torch.cuda.Event()
-                done.record()
-            else:
-                misses, done = self.misses.clone(), None
-        except BaseException:  # the request fails; the next start() resets the cache and its length
-            self._synchronize()
-            self.abandoned_steps += len(self._launched)
-            self.steps -= len(self._launched)
-            self._launched.clear()
-            try:
-                self.fence.end(fence_step)  # nothing of it runs any more; the steps before it ended with it
-            except FenceRevoked:
-                self._revoked()
-            raise
-        launched = LaunchedStep(logits, fence_step, misses, done, time.perf_counter())
-        self._launched.append(launched)
-        self.length += 1
-        self.steps += 1
-        return launched
-
-    def settle(self, launched: LaunchedStep) -> bool:
-        """Wait for the oldest launched step. True when it found every expert: its logits stand.
-        False when one was absent (or the fence was revoked): it and every step launched after it
-        are undone (the cache's write position moved back), and the caller runs it again with redo()."""
-        from storaged.client.dataplane import FenceRevoked
-
-        assert self._launched and self._launched[0] is launched, "settle() out of launch order"
-        if launched.done is not None:
-            launched.done.synchronize()
-        absent = int(launched.misses[0])
-        self._launched.popleft()
-        try:
-            self.fence.end(launched.fence_step)
-        except FenceRevoked:
-            self._revoked()
-            absent = -1
-        now = time.perf_counter()
-        seconds = now - max(launched.launched_at, self._settled_at)  # with a step before it: from its end
-        self._settled_at = now
-        if absent == 0:
-            self.lookup_steps += 1
-            self._backoff = 0
-            if self.cpu_experts is not None:  # the share's tuner learns from the steps' times
-                self.cpu_experts.observe_step(seconds)
-            return True
-        self.redone_steps += 1
-        self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF_STEPS)
-        self._skip = self._backoff
-        self.abandon()
-        self._rewind(1)
-        return False
-
-    def redo(self, token: int) -> torch.Tensor:
-        """Logits [V] of the step settle() found an expert absent in, run again for `token` on the
-        acquire path (which loads what was missing)."""
-        assert not self._launched, "redo() with launched steps not settled"
-        self.ids.fill_(token)
-        self.positions.fill_(self.length)
-        self._set_lookup(False)
-        logits = self._acquire_step()
-        self.length += 1
-        return logits
-
-    def abandon(self) -> None:
-        """Undo every launched step not settled (a request ended with one launched ahead): their
-        work waited for, their fence steps ended, the cache's write position moved back."""
-        if not self._launched:
-            return
-        from storaged.client.dataplane import FenceRevoked
-
-        count = len(self._launched)
-        last = self._launched[-1]
-        if last.done is not None:
-            last.done.synchronize()
-        self._launched.clear()
-        self.abandoned_steps += count
-        self.steps -= count
-        self._rewind(count)
-        try:
-            self.fence.end(last.fence_step)
-        except FenceRevoked:
-            self._revoked()
-
-    def _rewind(self, count: int) -> None:
-        for layer in self.cache.layers:  # the steps' positions are written again
-            layer.cumulative_length.sub_(count)
-        self.length -= count
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _acquire_step(self) -> torch.Tensor:
         """The step on the acquire path, which loads whatever is absent: the piecewise graphs
