@@ -81,7 +81,8 @@ def _load_tokenizer(bundle: Bundle):
 
 def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
                expert_source: ExpertSource | ExpertSourceFactory, experts_compute: str = "auto",
-               lookahead: int = 0, lookahead_min_precision: float = DEFAULT_MIN_PRECISION) -> LoadedModel:
+               lookahead: int = 0, lookahead_min_precision: float = DEFAULT_MIN_PRECISION,
+               dense_kernels: bool = True) -> LoadedModel:
     """Open the bundle and return a model ready for forward/generate on `device`.
 
     Non-routed weights are cast to `dtype` (float32 where the model keeps them in float32);
@@ -92,7 +93,13 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
     step whose hints' running precision (hinted experts the next layer used) falls below
     `lookahead_min_precision` stops sending them until it recovers (inference.experts.hint_policy;
     0: always send); the model's HintPolicy is `LoadedModel.hint_policy`.
+    With the fused kernels on CUDA, RMSNorms take one Triton kernel each (inference.model.fast_norms)
+    and, with `dense_kernels`, one-row projections the GEMV kernel (fast_linears), softmax top-k
+    routers one GEMV and one selection kernel (fast_routers) and one-query attention the
+    split-softmax kernel (fast_attention); without, those stay cuBLAS's, torch's and SDPA's.
     """
+    if not isinstance(dense_kernels, bool):
+        raise ValueError(f"dense_kernels must be True or False, got {dense_kernels!r}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(f"lookahead must be a non-negative number of experts per token, got {lookahead!r}")
     if isinstance(lookahead_min_precision, bool) or not isinstance(lookahead_min_precision, (int, float)) \
@@ -117,9 +124,16 @@ def load_model(bundle_dir: str | os.PathLike, *, device: torch.device | str, dty
         if lookahead:
             attach_lookahead(model, bindings, source, per_token=lookahead, policy=hint_policy)
         if fused_kernels and device.type == "cuda":
+            from inference.model.fast_attention import use_decode_attention
+            from inference.model.fast_linears import fuse_linears
             from inference.model.fast_norms import fuse_rms_norms
+            from inference.model.fast_routers import fuse_routers
 
             fuse_rms_norms(model, dtype)
+            if dense_kernels:
+                fuse_linears(model, dtype)
+                fuse_routers(model, dtype)
+                use_decode_attention(model)
         select_expertpack(model)
     except BaseException:
         bundle.close()
