@@ -61,7 +61,7 @@ def _layer(type_name: str, experts: int):
     return element_type, hidden, inter, top_k, device, arena, slot_bytes, roles, up_weight, down_weight
 
 
-def _time(fn, repeats: int = 20) -> float:
+def time_in_graph(fn, repeats: int = 20) -> float:
     """Microseconds per call, from a CUDA graph of `repeats` calls replayed 10 times."""
     fn()
     torch.cuda.synchronize()
@@ -91,8 +91,8 @@ def sweep(type_name: str, *, experts: int = 64, install: bool = True) -> dict:
     rows = []
     for block_n, warps in CONFIGS:
         cfg = (block_n, warps)
-        up_us = _time(lambda: ops.moe_gemv(x, index, slot_map, arena, slot_bytes, up_weight, top_k=top_k, tuning=cfg))
-        down_us = _time(lambda: ops.moe_gemv(h, index, slot_map, arena, slot_bytes, down_weight, top_k=top_k,
+        up_us = time_in_graph(lambda: ops.moe_gemv(x, index, slot_map, arena, slot_bytes, up_weight, top_k=top_k, tuning=cfg))
+        down_us = time_in_graph(lambda: ops.moe_gemv(h, index, slot_map, arena, slot_bytes, down_weight, top_k=top_k,
                                              x_per_pair=True, tuning=cfg))
         rows.append({"block_n": block_n, "warps": warps, "up_us": up_us, "down_us": down_us,
                      "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
@@ -127,9 +127,9 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
     for (block_m, block_n, warps), split in [(c, s) for s in (True, False) for c in GEMM_CONFIGS]:
         blocks = ops.gemm_blocks(ids, counts, block_m).to(device)
         cfg = (block_n, warps)
-        up_us = _time(lambda: ops.moe_gemm(x, order, blocks, arena, slot_bytes, up_weight, pairs=pairs, top_k=top_k,
+        up_us = time_in_graph(lambda: ops.moe_gemm(x, order, blocks, arena, slot_bytes, up_weight, pairs=pairs, top_k=top_k,
                                            gather_tokens=True, tuning=cfg, split=split), repeats=5)
-        down_us = _time(lambda: ops.moe_gemm(h, order, blocks, arena, slot_bytes, down_weight, pairs=pairs,
+        down_us = time_in_graph(lambda: ops.moe_gemm(h, order, blocks, arena, slot_bytes, down_weight, pairs=pairs,
                                              top_k=top_k, gather_tokens=False, tuning=cfg, split=split), repeats=5)
         rows.append({"block_m": block_m, "block_n": block_n, "warps": warps, "split": split, "up_us": up_us,
                      "down_us": down_us, "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
@@ -149,7 +149,7 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
         torch._grouped_mm(h, w[Role.DOWN].transpose(-2, -1), offs=offsets)
 
     try:
-        replaced_us = _time(replaced, repeats=3)
+        replaced_us = time_in_graph(replaced, repeats=3)
     except RuntimeError as exc:  # a torch without grouped_mm for this case: the GEMM's rows still count
         replaced_us, replaced_error = None, str(exc)[:200]
     else:

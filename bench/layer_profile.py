@@ -77,7 +77,8 @@ def classify(name: str) -> str:
 
 def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: Path, static_len: int,
            budget: float = 1.0, lookahead: int = 0, host_budget: float | None = None,
-           lookahead_min_precision: float | None = None, host_reads: bool = True, cpu_experts=None):
+           lookahead_min_precision: float | None = None, host_reads: bool = True, cpu_experts=None,
+           dense_kernels: bool = True):
     """(torch model, decoder or None, source or None, closers, daemon or None)."""
     if mode == "resident":
         from bench.e2e.resident import load_resident
@@ -101,6 +102,7 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
     socket = str(daemon.socket_dir / "s.sock")
     governed = {} if lookahead_min_precision is None else {"lookahead_min_precision": lookahead_min_precision}
     loaded = load_model(model.bundle_dir, device=device, dtype=dtype, lookahead=lookahead, **governed,
+                        dense_kernels=dense_kernels,
                         expert_source=lambda bundle, dev: StoragedExpertSource(socket, STORAGED_MODEL, bundle, dev,
                                                                                host_reads=host_reads))
     decoder = None
@@ -284,6 +286,7 @@ def run(args) -> dict:
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "modes": {}}
     results["sdpa_backend"] = args.sdpa_backend
+    results["dense_kernels"] = not args.no_dense_kernels
     for mode in args.modes:
         try:
             with _sdpa_backend(args.sdpa_backend):  # graphs captured under it keep its kernels
@@ -318,7 +321,7 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead, args.host_budget,
                                                      args.lookahead_min_precision, not args.no_host_reads,
-                                                     cpu_experts)
+                                                     cpu_experts, not args.no_dense_kernels)
     policy = _hint_policy(built)
     sample_seed = 1234 if args.decode == "sample" else None
     try:
@@ -516,8 +519,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the one family of kernels torch's scaled_dot_product_attention may use in the torch "
                              "modes, captured graphs included (default: torch's choice); a mode it cannot serve "
                              "reports the error")
+    parser.add_argument("--no-dense-kernels", action="store_true",
+                        help="storaged modes: one-row projections and one-query attention on cuBLAS and SDPA "
+                             "rather than inference's GEMV and decode-attention kernels (the baseline of those)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.no_dense_kernels and not {m for m in args.modes if m.startswith("storaged")}:
+        parser.error("--no-dense-kernels is for storaged's modes: resident and llama.cpp keep kernels of their own")
     if args.wait_each_step and not set(GRAPH_MODES) & set(args.modes):
         parser.error(f"--wait-each-step is for the static decoder's modes ({', '.join(GRAPH_MODES)})")
     if args.sdpa_backend is not None and set(args.modes) == {"llamacpp"}:

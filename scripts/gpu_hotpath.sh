@@ -11,6 +11,9 @@
 #   included), its collapsed stacks in $OUT/pyspy.txt.gz.
 #   (7) with PROFILE_WAIT_BASELINE=1, the profile runs again with --wait-each-step (each step waited
 #   for before its token is picked: the baseline of decoding one token ahead) into profile-wait.json.
+#   PROFILE_BASELINE_ARGS="--no-dense-kernels" runs it again with those flags into profile-baseline.json.
+#   (8) bench/dense_kernels.py (the decode step's GEMV and attention kernels against cuBLAS and SDPA,
+#   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile.
 #   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no kernels bench).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
@@ -39,7 +42,7 @@ fi
 if [[ "${GPU_HOTPATH_TESTS_S:-200}" != 0 ]]; then
 echo "=== GPU tests of the fast path"
 timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
-    ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_decode_graph.py tests/inference/test_piecewise.py \
+    ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_dense_kernels.py tests/inference/test_decode_graph.py tests/inference/test_piecewise.py \
     tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
     tests/inference/test_exactness.py::test_bfloat16_model_matches_from_pretrained_eager \
     tests/inference/test_engine_batch.py::test_a_batch_runs_on_cuda_with_one_acquire_per_layer_and_step} \
@@ -72,6 +75,13 @@ timeout --kill-after=10 "${GPU_HOTPATH_CPU_S:-120}" python3 bench/host_experts_b
 ((PIPESTATUS[0] != 0)) && failed=1
 fi
 
+if [[ "${GPU_HOTPATH_DENSE_S:-150}" != 0 ]]; then
+echo "=== dense kernels"
+timeout --kill-after=10 "${GPU_HOTPATH_DENSE_S:-150}" python3 bench/dense_kernels.py ${GPU_HOTPATH_DENSE_ARGS:---sweep} \
+    --json "$OUT/dense_kernels.json" 2>&1 | tee "$OUT/logs/dense_kernels.log" | tail -30
+((PIPESTATUS[0] != 0)) && failed=1
+fi
+
 echo "=== profile"
 WRAP=()
 if [[ "${PROFILE_PYSPY:-0}" == 1 ]]; then
@@ -84,6 +94,12 @@ if [[ "${PROFILE_WAIT_BASELINE:-0}" == 1 ]]; then
     echo "=== profile, each step waited for (--wait-each-step)"
     timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda --wait-each-step \
         --out "$OUT/profile-wait.json" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile-wait.log" | tail -20
+    ((PIPESTATUS[0] != 0)) && failed=1
+fi
+if [[ -n "${PROFILE_BASELINE_ARGS:-}" ]]; then
+    echo "=== profile, baseline ($PROFILE_BASELINE_ARGS)"
+    timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda $PROFILE_BASELINE_ARGS \
+        --out "$OUT/profile-baseline.json" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile-baseline.log" | tail -20
     ((PIPESTATUS[0] != 0)) && failed=1
 fi
 [[ -f /tmp/pyspy.txt ]] && gzip -c /tmp/pyspy.txt > "$OUT/pyspy.txt.gz"
