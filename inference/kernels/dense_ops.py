@@ -37,15 +37,17 @@ def _pow2(n: int) -> int:
 
 def gemv_config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(rows per program, columns per step, warps) for an [n, k] weight: the measured entry, else
-    the most rows per program (up to 8) that still give every SM four programs."""
+    the most rows per program (up to 8) that still give every SM four programs, steps of up to
+    1024 columns, and 8 warps for tiles of up to 1024 weights, 4 above (the fastest of
+    bench/dense_kernels.py's sweep on the H200 for the bench shapes' 0.2-32 MiB weights)."""
     tuned = GEMV_TUNING.get((n, k))
     if tuned is not None:
         return tuned
-    block_k = min(_pow2(k), 512)
+    block_k = min(_pow2(k), 1024)
     block_n = 8
     while block_n > 1 and -(-n // block_n) < 4 * _multiprocessors(device):
         block_n //= 2
-    return block_n, block_k, max(1, min(8, block_n * block_k // 512))
+    return block_n, block_k, 8 if block_n * block_k <= 1024 else 4
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
