@@ -13,6 +13,7 @@ graph). triton is imported on first launch, never on a machine that only compute
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -29,6 +30,11 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # triton's interpreter: the rule below only needs a count
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on tensors of `device`: CUDA, or any under triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _pow2(n: int) -> int:
@@ -52,8 +58,8 @@ def gemv_config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `gemv` computes F.linear(x, weight, bias): one row of x, same-dtype half weights,
-    rows of the weight and x contiguous."""
-    return (x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+    rows of the weight and x contiguous, on a device the kernels run on."""
+    return (x.dtype in GEMV_DTYPES and weight.dtype == x.dtype and weight.dim() == 2 and runs_on(x.device)
             and x.numel() == x.shape[-1] == weight.shape[1] and x.device == weight.device
             and weight.stride(1) == 1 and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]
                                                             and bias.is_contiguous())))
@@ -94,7 +100,7 @@ def attention_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     keys and [B, Hkv, L, Dv] values of the query's half dtype (Hq a multiple of Hkv), head
     dimensions contiguous and at most ATTENTION_MAX_HEAD_DIM, and no mask or a boolean one of
     [B or 1, 1, 1, L] (True: the key is seen)."""
-    if not (query.dim() == key.dim() == value.dim() == 4 and query.shape[2] == 1):
+    if not (query.dim() == key.dim() == value.dim() == 4 and query.shape[2] == 1 and runs_on(query.device)):
         return False
     batch, heads, _, head_dim = query.shape
     kv_batch, kv_heads, length, key_dim = key.shape

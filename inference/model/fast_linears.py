@@ -32,12 +32,12 @@ _gemv_forward.kept_when_compiled = True
 
 def fuse_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Give every nn.Linear (the class itself: subclasses may compute otherwise) whose weight is
-    `dtype` on the device the GEMV forward; returns how many changed."""
+    `dtype`, on a device the kernels run on, the GEMV forward; returns how many changed."""
     if triton_module() is None or dtype not in dense_ops.GEMV_DTYPES:
         return 0
     changed = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype == dtype and module.weight.device.type != "meta":
+        if type(module) is torch.nn.Linear and module.weight.dtype == dtype and dense_ops.runs_on(module.weight.device):
             module.forward = types.MethodType(_gemv_forward, module)
             changed += 1
     return changed

@@ -119,7 +119,8 @@ def fuse_routers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     changed = 0
     checked: dict[type, tuple[bool, bool] | None] = {}
     for module in model.modules():
-        if not _looks_like_router(module) or module.weight.dtype != dtype:
+        if not _looks_like_router(module) or module.weight.dtype != dtype \
+                or not dense_ops.runs_on(module.weight.device):
             continue
         kind = type(module)
         if kind not in checked:

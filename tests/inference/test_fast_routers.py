@@ -71,7 +71,7 @@ def test_a_router_computing_otherwise_keeps_its_forward():
     """A router whose logits are scaled after the linear layer (so not what the fused GEMV
     computes) fails the check though its selection formula is the softmax top-k."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16).eval().to(DEVICE)
     router_class = type(_routers(model)[0])
 
     class ScaledRouter(router_class):
