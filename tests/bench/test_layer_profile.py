@@ -28,10 +28,11 @@ from bench import layer_profile  # noqa: E402
     (["--wait-each-step", "--modes", "resident", "storaged-eager"], "--wait-each-step is for the static decoder's"),
     (["--sdpa-backend", "cudnn", "--modes", "llamacpp"], "--sdpa-backend is for the torch modes"),
     (["--sdpa-backend", "fast"], "invalid choice: 'fast'"),
+    (["--no-dense-kernels", "--modes", "resident", "llamacpp"], "--no-dense-kernels is for storaged's modes"),
 ], ids=["zero budget", "budget above 1", "llamacpp below 100%", "resident below 100%",
         "host budget at 100%", "host budget above 1", "min precision above 1", "min precision, lookahead 0",
         "min precision at 100% (lookahead off)", "wait each step without a static decoder mode",
-        "sdpa backend for llama.cpp alone", "unknown sdpa backend"])
+        "sdpa backend for llama.cpp alone", "unknown sdpa backend", "dense kernels off without storaged"])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         layer_profile.parse_args(argv)
