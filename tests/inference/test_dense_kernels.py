@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from inference.engine.generate import _cache_keyword
 from inference.kernels import dense_ops
 from inference.model.fast_attention import DECODE_OR_SDPA, use_decode_attention
 from inference.model.fast_linears import fuse_linears
@@ -172,20 +173,21 @@ def test_swapped_model_decodes_as_before(model_type, monkeypatch):
     model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16).eval().to(DEVICE)
     prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     steps = 4
+    keyword = _cache_keyword(model)  # transformers 5.2x's `cache`, 5.17's `past_key_values`
 
     def decode(fed: list[int] | None) -> tuple[list[int], list[torch.Tensor]]:
         cache = StaticCache(config=model.config, max_cache_len=16)
         index = torch.arange(16, device=DEVICE).view(1, 1, 1, 16)
         picked, logits = [], []
         with torch.no_grad():
-            out = model(input_ids=prompt, cache=cache, use_cache=True,
+            out = model(input_ids=prompt, **{keyword: cache}, use_cache=True,
                         position_ids=torch.arange(6, device=DEVICE).view(1, -1))
             for step in range(steps):
                 logits.append(out.logits[0, -1].float())
                 token = int(out.logits[0, -1].argmax()) if fed is None else fed[step]
                 picked.append(token)
                 mask = index <= 6 + step  # the static decoder's boolean mask over the cache
-                out = model(input_ids=torch.tensor([[token]], device=DEVICE), cache=cache, use_cache=True,
+                out = model(input_ids=torch.tensor([[token]], device=DEVICE), **{keyword: cache}, use_cache=True,
                             attention_mask=mask, position_ids=torch.tensor([[6 + step]], device=DEVICE))
             logits.append(out.logits[0, -1].float())
         return picked, logits
