@@ -103,8 +103,8 @@ def run(args) -> dict:
     results = {"shape": shape.name, "layers": args.layers, "prompt_len": args.prompt_len, "tokens": args.tokens,
                "modes": {}}
     for mode in args.modes:
-        built, decoder, source, closers = _build(mode, model, device, dtype, workdir,
-                                                 args.prompt_len + args.tokens + 16)
+        built, decoder, source, closers, _ = _build(mode, model, device, dtype, workdir,
+                                                    args.prompt_len + args.tokens + 16)
         try:
             _prewarm(source, model.bundle_dir)
             forced, free = fast_path_runs(decoder, prompts, references)

@@ -59,16 +59,21 @@ def test_gemv_is_the_rounded_product(n, k, bias, dtype):
     ((1, 63), "K of the input differs from the weight's"),
 ])
 def test_gemv_refuses_what_it_does_not_compute(shape, reason):
-    weight = torch.randn(32, 64, dtype=torch.bfloat16)
-    assert not dense_ops.gemv_fits(torch.randn(shape, dtype=torch.bfloat16), weight, None), reason
+    weight = torch.randn(32, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert dense_ops.gemv_fits(torch.randn(1, 64, dtype=torch.bfloat16, device=DEVICE), weight, None)
+    assert not dense_ops.gemv_fits(torch.randn(shape, dtype=torch.bfloat16, device=DEVICE), weight, None), reason
 
 
 def test_gemv_refuses_other_dtypes_and_strided_weights():
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    assert not dense_ops.gemv_fits(x.float(), torch.randn(32, 64), None)
-    assert not dense_ops.gemv_fits(x, torch.randn(32, 64, dtype=torch.float16), None)
-    assert not dense_ops.gemv_fits(x, torch.randn(64, 32, dtype=torch.bfloat16).T, None)
-    assert not dense_ops.gemv_fits(x, torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(32))
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+    x = rand(1, 64)
+    assert dense_ops.gemv_fits(x, rand(32, 64), rand(32))
+    assert not dense_ops.gemv_fits(x.float(), rand(32, 64, dtype=torch.float32), None)
+    assert not dense_ops.gemv_fits(x, rand(32, 64, dtype=torch.float16), None)
+    assert not dense_ops.gemv_fits(x, rand(64, 32).T, None)
+    assert not dense_ops.gemv_fits(x, rand(32, 64), rand(32, dtype=torch.float32))
 
 
 def _reference_attention(query, key, value, mask, scale):
@@ -143,10 +148,10 @@ def test_attention_mask_of_one_broadcasts_over_the_batch():
     (lambda q, k, v, m: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, m), "key dim strided"),
 ])
 def test_attention_refuses_what_it_does_not_compute(change, reason):
-    q = torch.randn(1, 4, 1, 16, dtype=torch.bfloat16)
-    k = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16)
-    v = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16)
-    m = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    q = torch.randn(1, 4, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16, device=DEVICE)
+    m = torch.ones(1, 1, 1, 10, dtype=torch.bool, device=DEVICE)
     assert dense_ops.attention_fits(q, k, v, m)
     assert not dense_ops.attention_fits(*change(q, k, v, m)), reason
 
@@ -206,14 +211,14 @@ def test_swapped_model_decodes_as_before(model_type, monkeypatch):
 
 
 def test_swaps_leave_other_modules_alone():
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16).to(DEVICE)
     model.config._attn_implementation_internal = "eager"
     assert use_decode_attention(model) == 0  # only "sdpa" configs are switched
     assert model.config._attn_implementation == "eager"
     assert fuse_linears(model, torch.float16) == 0  # weights of another dtype keep F.linear
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert fuse_linears(model, torch.bfloat16) == len(linears)
-    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.bfloat16)  # several rows: F.linear's result
+    x = torch.randn(2, 3, model.config.hidden_size, dtype=torch.bfloat16, device=DEVICE)  # several rows: F.linear's
     assert torch.equal(model.lm_head(x), F.linear(x, model.lm_head.weight))
 
 
