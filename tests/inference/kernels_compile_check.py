@@ -1,4 +1,4 @@
-"""Compile every fused kernel variant for sm_90 with triton's real compiler (no GPU needed);
+"""Compile every fused kernel variant (and the decode step's dense kernels) for sm_90 with triton's real compiler (no GPU needed);
 run as a script without TRITON_INTERPRET (test_kernels_compile.py does). Prints one line per
 variant, 'ok' or the error, and exits 1 if any failed."""
 
@@ -10,7 +10,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from inference.kernels import decode_attention as da
+from inference.kernels import dense_gemv as dg
 from inference.kernels import moe_triton as mt
+from inference.kernels import router_topk as rt
 from inference.kernels.ops import _TYPE_CODES, GEMM_PARTS
 
 POINTERS = {"x_ptr": "*bf16", "arena_ptr": "*u8", "out_ptr": "*bf16", "x_stride": "i32", "slot_bytes": "i32",
@@ -20,11 +23,40 @@ GEMM = {**POINTERS, "order_ptr": "*i64", "blocks_ptr": "*i32"}
 GEMV = {**POINTERS, "expert_ptr": "*i64", "map_ptr": "*i32", "miss_ptr": "*i32"}
 
 
+# the decode step's dense kernels (inference.kernels.dense_ops): every argument that is not a
+# constexpr is a bf16 pointer unless named here
+DENSE_GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+              "w_stride": "i32"}
+ATTENTION_SPLIT = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i1", "part_acc_ptr": "*fp32",
+                   "part_ml_ptr": "*fp32", "L": "i32", "G": "i32", "DK": "i32", "DV": "i32", "scale": "fp32",
+                   "splits": "i32", **{name: "i32" for name in ("q_sb", "q_sh", "k_sb", "k_sh", "k_sl", "v_sb", "v_sh",
+                                                                 "v_sl", "m_sb", "m_sl")}}
+ATTENTION_MERGE = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "DV": "i32", "splits": "i32",
+                   "o_sb": "i32", "o_sh": "i32"}
+SOFTMAX_TOPK = {"logits_ptr": "*bf16", "scores_ptr": "*bf16", "indices_ptr": "*i64", "E": "i32", "K": "i32",
+                "logits_stride": "i32"}
+
+
 def _compile(fn, signature: dict[str, str], constants: dict) -> None:
     ordered = [name for name in fn.arg_names]
     full = {name: signature.get(name, "constexpr") for name in ordered}
     triton.compile(ASTSource(fn=fn, signature=full, constexprs=constants), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "enable_fp_fusion": False})
+
+
+def dense_variants():
+    for bias in (True, False):
+        yield (f"dense_gemv_kernel bias={bias}", dg.dense_gemv_kernel, DENSE_GEMV,
+               dict(HAS_BIAS=bias, BLOCK_N=2, BLOCK_K=1024))
+    for mask, dk, dv, block_n in ((True, 128, 128, 32), (False, 512, 512, 16), (True, 256, 128, 16)):
+        yield (f"decode_attention_split_kernel mask={mask} {dk}/{dv}", da.decode_attention_split_kernel,
+               ATTENTION_SPLIT, dict(HAS_MASK=mask, CHUNK=2 * block_n, BLOCK_G=16, BLOCK_N=block_n, BLOCK_DK=dk,
+                                     BLOCK_DV=dv))
+    yield ("decode_attention_merge_kernel", da.decode_attention_merge_kernel, ATTENTION_MERGE,
+           dict(BLOCK_S=16, BLOCK_DV=128))
+    for renormalize in (True, False):
+        yield (f"softmax_topk_kernel renormalize={renormalize}", rt.softmax_topk_kernel, SOFTMAX_TOPK,
+               dict(RENORMALIZE=renormalize, BLOCK_E=128, BLOCK_K=8))
 
 
 def variants():
@@ -40,7 +72,7 @@ def variants():
 
 def main() -> int:
     failed = 0
-    for name, fn, signature, constants in variants():
+    for name, fn, signature, constants in (*variants(), *dense_variants()):
         try:
             _compile(fn, signature, constants)
             print(f"{name}: ok")
