@@ -170,7 +170,8 @@ def report(results: dict) -> str:
                          f"{best}")
             for key in total:
                 total[key] += case[key]
-        lines.append(f"  sum of distinct shapes: cuBLAS {total['cublas_us']:.1f} us, ours {total['ours_us']:.1f} us")
+        lines.append(f"  sum of distinct shapes: cuBLAS {total['cublas_us']:.1f} us, "
+                     f"ours {total['ours_us']:.1f} us")
         lines.append(f"{shape}: attention, one query (us per layer)")
         for case in data["attention"]:
             cells = "  ".join(f"{label} {case[f'{label}_us']:.2f}" if case.get(f"{label}_us") is not None
@@ -179,7 +180,8 @@ def report(results: dict) -> str:
         if data.get("router"):
             case = data["router"]
             lines.append(f"{shape}: softmax top-{case['top_k']} router of {case['experts']} experts: torch "
-                         f"{case['torch_us']:.2f} us, ours {case['ours_us']:.2f} us (same experts: {case['same_experts']})")
+                         f"{case['torch_us']:.2f} us, ours {case['ours_us']:.2f} us "
+                         f"(same experts: {case['same_experts']})")
     return "\n".join(lines)
 
 

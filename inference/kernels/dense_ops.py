@@ -1,6 +1,7 @@
 """Launchers of the decode step's dense kernels: the one-row GEMV (dense_gemv), the one-query
-attention (decode_attention) and a softmax router's top-k (router_topk), each also a torch custom op so that torch.compile'd layers call
-it as one opaque kernel (inductor would otherwise trace into the launcher).
+attention (decode_attention) and a softmax router's top-k (router_topk), each also a torch custom
+op so that torch.compile'd layers call it as one opaque kernel (inductor would otherwise trace
+into the launcher).
 
     y = gemv(x, weight, bias)                                  # x [..., K], one row -> [..., N]
     out = attention(query, key, value, mask, scale)           # [B, Hq, 1, D] -> [B, 1, Hq, Dv]

@@ -5,9 +5,10 @@ A router qualifies when it looks like one (a 2-D `weight` of [experts, hidden], 
 checked on random rows in the model's dtype, the fused computation (inference.kernels.dense_gemv
 for the logits, router_topk for softmax, top-k and the optional renormalization) picks the same
 experts with scores within a unit in the last place of the module's own; whether the module
-renormalizes and whether its scores stay float32 is found by that check (all four are tried). Routers of another formula (sigmoid
-scores, bias-corrected or grouped selection) fail it and keep their forward. A swapped router
-computes as before for more than one row. Only for the fused (GPU) path.
+renormalizes and whether its scores stay float32 is found by that check (all four are tried).
+Routers of another formula (sigmoid scores, bias-corrected or grouped selection) fail it and
+keep their forward. A swapped router computes as before for more than one row. Only for the
+fused (GPU) path.
 """
 
 from __future__ import annotations

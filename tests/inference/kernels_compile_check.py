@@ -1,5 +1,5 @@
-"""Compile every fused kernel variant (and the decode step's dense kernels) for sm_90 with triton's real compiler (no GPU needed);
-run as a script without TRITON_INTERPRET (test_kernels_compile.py does). Prints one line per
+"""Compile every fused kernel variant (and the decode step's dense kernels) for sm_90 with
+triton's real compiler (no GPU needed); run as a script without TRITON_INTERPRET (test_kernels_compile.py does). Prints one line per
 variant, 'ok' or the error, and exits 1 if any failed."""
 
 from __future__ import annotations
