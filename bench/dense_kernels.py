@@ -5,6 +5,7 @@ as transformers calls it in a compiled decode step (keys repeated per query head
 over the static cache) and with cuDNN's kernel.
 
     python bench/dense_kernels.py --shapes qwen3 deepseek --json out.json
+    python bench/dense_kernels.py --shapes qwen3-30b-a3b deepseek-v3     # the published models' sizes
 
 Each case is launched 20 times in a CUDA graph and timed by replay; weights rotate over copies
 that together exceed the L2 cache, as a decode step's weights do. A GEMV case prints
@@ -34,8 +35,23 @@ SWEEP = [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024) for w in 
          if n * k >= 32 * w and n * k <= 16384]
 
 
+# The published models' own sizes (their config.json), for the kernels at the sizes users run:
+# (module, N, K) of each distinct nn.Linear, attention dims, a softmax router's (E, H, k) or None
+PUBLISHED = {
+    "qwen3-30b-a3b": ([("q_proj", 4096, 2048), ("k_proj", 512, 2048), ("o_proj", 2048, 4096),
+                       ("lm_head", 151936, 2048)],
+                      {"heads": 32, "kv_heads": 4, "key_dim": 128, "value_dim": 128, "router": (128, 2048, 8)}),
+    "deepseek-v3": ([("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj_with_mqa", 576, 7168),
+                     ("kv_b_proj", 32768, 512), ("o_proj", 7168, 16384), ("shared gate_proj", 2048, 7168),
+                     ("shared down_proj", 7168, 2048), ("lm_head", 129280, 7168)],
+                    {"heads": 128, "kv_heads": 128, "key_dim": 192, "value_dim": 128, "router": None}),
+}
+
+
 def model_dims(shape_key: str) -> tuple[list[tuple[str, int, int]], dict]:
     """((module name, N, K) of every distinct nn.Linear, attention dims) of the shape's model."""
+    if shape_key in PUBLISHED:
+        return PUBLISHED[shape_key]
     from transformers import AutoModelForCausalLM
 
     from packtools.synth.gguf_models import tiny_config_with
@@ -187,7 +203,9 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(FULL_SHAPES), default=sorted(FULL_SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(FULL_SHAPES) + sorted(PUBLISHED),
+                        default=sorted(FULL_SHAPES),
+                        help="the bench shapes (bench/e2e/shapes.py) or published models' sizes")
     parser.add_argument("--lengths", nargs="+", type=int, default=[300, 4096],
                         help="static cache lengths of the attention cases")
     parser.add_argument("--visible", type=int, default=250, help="keys the mask shows (at most the length)")
