@@ -123,6 +123,18 @@ def test_expert_source_may_be_an_instance_or_a_factory(tmp_path):
         load_model(bundle_dir, device="cpu", dtype=torch.float32, expert_source=42)
 
 
+@pytest.mark.parametrize("argument, value, message", [
+    ("dense_kernels", "no", "dense_kernels must be True or False, got 'no'"),
+    ("dense_kernels", 0, "dense_kernels must be True or False, got 0"),
+    ("lookahead", -1, "lookahead must be a non-negative number of experts per token, got -1"),
+    ("lookahead_min_precision", 1.5, r"lookahead_min_precision must be a fraction in \[0, 1\], got 1.5"),
+])
+def test_bad_loader_arguments_are_refused_naming_them(tmp_path, argument, value, message):
+    _, bundle_dir = make_case("olmoe", tmp_path / "b")
+    with pytest.raises(ValueError, match=message):
+        load_model(bundle_dir, device="cpu", dtype=torch.float32, expert_source=LocalPackSource, **{argument: value})
+
+
 def test_a_non_persistent_buffer_the_model_does_not_fill_is_reported():
     model = build_meta_model(tiny_config("qwen3_moe"), torch.float32)
     model.model.register_buffer("scratch", torch.empty(3, device="meta"), persistent=False)
