@@ -520,8 +520,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "modes, captured graphs included (default: torch's choice); a mode it cannot serve "
                              "reports the error")
     parser.add_argument("--no-dense-kernels", action="store_true",
-                        help="storaged modes: one-row projections and one-query attention on cuBLAS and SDPA "
-                             "rather than inference's GEMV and decode-attention kernels (the baseline of those)")
+                        help="storaged modes: one-row projections, router selection and one-query attention on "
+                             "cuBLAS, torch and SDPA rather than inference's dense kernels (the baseline of those)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.no_dense_kernels and not {m for m in args.modes if m.startswith("storaged")}:

@@ -12,7 +12,7 @@
 #   (7) with PROFILE_WAIT_BASELINE=1, the profile runs again with --wait-each-step (each step waited
 #   for before its token is picked: the baseline of decoding one token ahead) into profile-wait.json.
 #   PROFILE_BASELINE_ARGS="--no-dense-kernels" runs it again with those flags into profile-baseline.json.
-#   (8) bench/dense_kernels.py (the decode step's GEMV and attention kernels against cuBLAS and SDPA,
+#   (8) bench/dense_kernels.py (the decode step's GEMV, attention and router kernels against torch's,
 #   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile.
 #   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no kernels bench).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh

@@ -49,7 +49,7 @@ def compiled_layers(model: torch.nn.Module) -> Iterator[None]:
     register_experts_implementation(graph_break=True)
     # submodules given a forward of their own (inference.model.fast_norms' Triton RMSNorm) take
     # their class's eager forward back while compiled: inductor fuses it with its neighbours;
-    # forwards marked kept_when_compiled (inference.model.fast_linears' GEMV) stay
+    # forwards marked kept_when_compiled (fast_linears' GEMV, fast_routers' selection) stay
     swapped = [(module, module.__dict__.pop("forward")) for layer in layers for module in layer.modules()
                if "forward" in module.__dict__ and not getattr(module.__dict__["forward"], "kept_when_compiled", False)]
     for layer in layers:
