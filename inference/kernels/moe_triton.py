@@ -28,6 +28,9 @@ from inference.kernels import quant_tile as qt
 
 @triton.jit
 def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """One step's product tile of every type but Q4_K (11), which moe_gemv_kernel accumulates
+    by fma itself (qk.dot_q4_k_acc)."""
+    tl.static_assert(QT != 11)
     if QT <= 2:
         return qd.dot_float(row, kb, nblk, x_row, rmask, QT, NB, WR, INTERP)
     elif QT <= 8:
@@ -36,8 +39,6 @@ def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl
         return qk.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 10:
         return qk.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    elif QT == 11:
-        return qk.dot_q4_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 12:
         return qk.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     else:
@@ -76,15 +77,22 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
         token = p
     else:
         token = p // TOP_K
-    n64 = n.to(tl.int64)
+    # rows past N read row N - 1 (their sums are not stored), so no load needs a row mask: a
+    # constant-true mask compiles to unpredicated loads
+    n64 = tl.minimum(n, N - 1).to(tl.int64)
     row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
     row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     x_row = x_ptr + token * x_stride
-    rmask = nmask[:, None]
+    rmask = tl.full([BLOCK_N, 1], 1, tl.int1)
     # products accumulate as a tile; one reduction after the loop, not one per step
-    acc = _dot(QT, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
-    for kb in range(NB, nblk, NB):
-        acc += _dot(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    if QT == 11:  # Q4_K accumulates with fma (qk.dot_q4_k_acc)
+        acc = tl.zeros([BLOCK_N, 4, 32], tl.float32)
+        for kb in range(0, nblk):
+            acc = qk.dot_q4_k_acc(row, kb, x_row, rmask, acc, WR, INTERP)
+    else:
+        acc = _dot(QT, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
+        for kb in range(NB, nblk, NB):
+            acc += _dot(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     # the matmul's output dtype is the model's: round as cuBLAS does (to nearest even)
     out = qd.round_weights(qd.reduce_tile(acc, RANK), WR, INTERP)
     tl.store(out_ptr + p * out_stride + n, out.to(out_ptr.dtype.element_ty), mask=nmask)

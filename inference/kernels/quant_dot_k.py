@@ -36,24 +36,42 @@ def q45_k_layout(base, rmask):
 
 
 @triton.jit
-def part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """Q4_K, 144 B: d @0, dmin @2, scales @4, nibbles @16; (d*sc) * q - (dmin*m).
-    Byte 32 pair + i (i < 32) holds element 64 pair + i (low nibble) and 64 pair + 32 + i (high)."""
+def q4_k_values(base, mask, pair, nibble: tl.constexpr, packed):
+    """Q4_K's float32 values (d*sc) * q - (dmin*m) of nibble `nibble` of `packed` [BN, 4, 32],
+    gguf-py's arithmetic without an int-to-float conversion per weight: OR-ing q into the bits
+    of 2^23 makes the float 2^23 + q (2^23 + 16 q for the high nibble, left in place), and one
+    fma takes 2^23 * scale back off. scale = d*sc has at most 17 significant bits (fp16 d times a
+    6-bit sc), scale * q at most 21, so that fma's one rounding is exact and the value is
+    bit-identical to gguf-py's. (A non-finite d gives NaN where gguf-py gives infinities; the row
+    is not finite either way.)"""
     scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
-    q = ((packed >> (4 * nibble)) & 0x0F).to(tl.float32)
-    return qd.round_weights(scale * q - offset, WR, INTERP), 64 * pair + 32 * nibble + i  # [BN, 4, 32]
+    if nibble == 0:
+        two23_q = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+        scaled = tl.fma(scale, two23_q, scale * -8388608.0)  # scale * q, exact
+    else:
+        two23_q = ((packed & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + 16 q
+        scaled = tl.fma(scale * 0.0625, two23_q, scale * -524288.0)  # scale * q, exact
+    return scaled - offset
 
 
 @triton.jit
-def dot_q4_k(row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+def part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """Q4_K, 144 B: d @0, dmin @2, scales @4, nibbles @16; (d*sc) * q - (dmin*m).
+    Byte 32 pair + i (i < 32) holds element 64 pair + i (low nibble) and 64 pair + 32 + i (high)."""
+    value = q4_k_values(base, mask, pair, nibble, packed)  # f32 [BN, 4, 32]
+    return qd.round_weights(value, WR, INTERP), 64 * pair + 32 * nibble + i
+
+
+@triton.jit
+def dot_q4_k_acc(row, kb, x_row, rmask, acc, WR: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BN, 4, 32] float32 plus super-block kb's products, accumulated by fma: the GEMV's
+    Q4_K step (one instruction per weight fewer than a separate multiply and add)."""
     base, x0 = super(row, kb, rmask, 144)
     base, mask, pair, i = q45_k_layout(base, rmask)
     packed = load_bytes(base + 16 + 32 * pair + i, mask)  # i32 [BN, 4, 32]
-    acc = None
     for nibble in tl.static_range(2):
         w, k = part_q4_k(base, mask, pair, i, packed, nibble, WR, INTERP)
-        term = w * qd.x_all(x_row, x0 + k)  # [BN, 4, 32]
-        acc = term if nibble == 0 else acc + term
+        acc = tl.fma(w, qd.x_all(x_row, x0 + k), acc)  # [BN, 4, 32]
     return acc
 
 

@@ -377,3 +377,52 @@ def test_gemm_equals_float64_products_of_rounded_weights(element_type):
         assert got.dtype == torch.bfloat16 and got.shape == (len(order), 2 * rows)
         assert torch.all((got.float() - expected.float()).abs() <= ulp(expected) + spread), (element_type.name, split)
         assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens, split)
+
+
+def _q4_k_extreme_scales(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K bytes of [rows, cols] whose d and dmin run over fp16's range: the largest finite,
+    subnormals, the smallest normal, zero and random finite values, with random 6-bit scales
+    and nibbles (the arithmetic of inference.kernels.quant_dot_k.q4_k_values must stay exact at
+    each of them)."""
+    blocks = random_blocks(ElementType.Q4_K, (rows, cols), rng).reshape(-1, 144).copy()
+    specials = np.array([65504.0, -65504.0, 2.0**-24, 3 * 2.0**-24, 2.0**-14, 0.0, 1.0, -0.5], dtype=np.float16)
+    header = blocks[:, :4].view(np.float16)  # [n, 2]: d, dmin
+    picks = rng.integers(0, len(specials) + 1, size=header.shape)  # the last index keeps the random value
+    header[:] = np.where(picks < len(specials), specials[np.minimum(picks, len(specials) - 1)], header)
+    blocks[:, 4:] = rng.integers(0, 256, size=(blocks.shape[0], 140), dtype=np.uint8)  # any 6-bit scales, nibbles
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+def test_one_hot_activations_read_back_each_q4_k_weight_exactly(kernel):
+    """With x a one-hot row, a projection's output is one column of its weights, which both
+    kernels must give bit-identical to dequantize_many's bf16 rounding, across fp16's range of d
+    and dmin (the Q4_K path multiplies by scales without converting the nibbles to float)."""
+    rng = np.random.default_rng(7)
+    rows, cols = 32, 256
+    role_bytes = _q4_k_extreme_scales(rows, cols, rng)
+    nbytes = role_bytes.size
+    slot_bytes = -(-nbytes // 4096) * 4096
+    arena = torch.zeros(slot_bytes, dtype=torch.uint8)
+    arena[:nbytes] = torch.from_numpy(role_bytes.reshape(-1))
+    weight = gemv_weight([RoleEntry(Role.DOWN, int(ElementType.Q4_K), 0, nbytes, (rows, cols))], rows=rows, cols=cols)
+    expected = dequantize_many(arena[:nbytes].view(1, -1).contiguous(), ElementType.Q4_K, (rows, cols),
+                               torch.float32)[0].bfloat16()  # [rows, cols]
+    columns = torch.arange(0, cols, 3)  # every third column: both nibbles, every sub-block
+    x = torch.zeros(len(columns), cols, dtype=torch.bfloat16)
+    x[torch.arange(len(columns)), columns] = 1
+    pairs = len(columns)
+    if kernel == "gemv":
+        got = moe_gemv(x.to(DEVICE), torch.zeros(pairs, dtype=torch.int64, device=DEVICE),
+                       torch.zeros(1, dtype=torch.int32, device=DEVICE), arena.to(DEVICE), slot_bytes, weight,
+                       top_k=1).cpu()
+    else:
+        blocks = gemm_blocks([0], [pairs], block_m=16)
+        got = moe_gemm(x.to(DEVICE), torch.arange(pairs, device=DEVICE), blocks.to(DEVICE), arena.to(DEVICE),
+                       slot_bytes, weight, pairs=pairs, top_k=1, gather_tokens=True, tuning=(16, 4)).cpu()
+    want = expected[:, columns].t()  # [pairs, rows]
+    finite = torch.isfinite(want)
+    assert finite.float().mean() > 0.9  # the specials are mostly finite: the test compares values
+    # equal values (a zero weight's sign is not kept: an output is a sum, and +0 + -0 is +0)
+    assert torch.equal(got[finite], want[finite]), kernel
+    assert not torch.isfinite(got[~finite]).any(), kernel  # a non-finite weight stays non-finite
