@@ -27,22 +27,26 @@ from inference.kernels import quant_tile as qt
 
 
 @triton.jit
-def _dot(QT: tl.constexpr, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """One step's product tile of every type but Q4_K (11), which moe_gemv_kernel accumulates
-    by fma itself (qk.dot_q4_k_acc)."""
-    tl.static_assert(QT != 11)
+def _dot(QT: tl.constexpr, acc, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr,
+         INTERP: tl.constexpr):
+    """acc plus the product tile of the step at block kb (acc 0.0 on the first step): Q4_K and
+    MXFP4 accumulate by fma, the others add their tile."""
     if QT <= 2:
-        return qd.dot_float(row, kb, nblk, x_row, rmask, QT, NB, WR, INTERP)
-    elif QT <= 8:
-        return qd.dot_blocks32(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return acc + qd.dot_float(row, kb, nblk, x_row, rmask, QT, NB, WR, INTERP)
+    elif QT == 8:
+        return qd.dot_mxfp4_acc(acc, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT <= 7:
+        return acc + qd.dot_blocks32(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 9:
-        return qk.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return acc + qk.dot_q2_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     elif QT == 10:
-        return qk.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return acc + qk.dot_q3_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    elif QT == 11:
+        return qk.dot_q4_k_acc(row, kb, x_row, rmask, acc, WR, INTERP)
     elif QT == 12:
-        return qk.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return acc + qk.dot_q5_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     else:
-        return qk.dot_q6_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+        return acc + qk.dot_q6_k(row, kb, nblk, x_row, rmask, NB, WR, INTERP)
 
 
 @triton.jit
@@ -85,14 +89,9 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     x_row = x_ptr + token * x_stride
     rmask = tl.full([BLOCK_N, 1], 1, tl.int1)
     # products accumulate as a tile; one reduction after the loop, not one per step
-    if QT == 11:  # Q4_K accumulates with fma (qk.dot_q4_k_acc)
-        acc = tl.zeros([BLOCK_N, 4, 32], tl.float32)
-        for kb in range(0, nblk):
-            acc = qk.dot_q4_k_acc(row, kb, x_row, rmask, acc, WR, INTERP)
-    else:
-        acc = _dot(QT, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
-        for kb in range(NB, nblk, NB):
-            acc += _dot(QT, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    acc = _dot(QT, 0.0, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
+    for kb in range(NB, nblk, NB):
+        acc = _dot(QT, acc, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     # the matmul's output dtype is the model's: round as cuBLAS does (to nearest even)
     out = qd.round_weights(qd.reduce_tile(acc, RANK), WR, INTERP)
     tl.store(out_ptr + p * out_stride + n, out.to(out_ptr.dtype.element_ty), mask=nmask)

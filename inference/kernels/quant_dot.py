@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from inference.dequant.triton_common import load_bytes, load_fp16_as_f32
-from inference.dequant.triton_legacy import _mxfp4_value
 
 # Rounding of dequantized weights to the model's dtype (the `WR` constexpr).
 ROUND_NONE, ROUND_BF16, ROUND_F16 = 0, 1, 2
@@ -186,14 +185,40 @@ def _halves_q5_1(base, mask, lane):
 
 
 @triton.jit
+def _e2m1_scaled(sign_and_code):
+    """An e2m1 value times 2^-126, exactly, from its 4 bits placed at bits 31 (sign) and 22-24
+    (exponent, mantissa) of a float32: that float is the value's 2^-126 multiple, the
+    exponent-0 (subnormal) codes included."""
+    return sign_and_code.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _halves_mxfp4(base, mask, lane):
-    """MXFP4, 17 B: E8M0 e @0, e2m1 nibbles @1; e8m0_half(e) * kvalue(q)."""
+    """MXFP4, 17 B: E8M0 e @0, e2m1 nibbles @1; e8m0_half(e) * kvalue(q), kvalue the doubled
+    e2m1, found with no table and no int-to-float conversion: (e2m1 * 2^-126) * 2^127 is
+    kvalue exactly, then d * kvalue as gguf-py computes it. Code 8 (-0) gives -0.0 where gguf-py
+    gives +0."""
     e = load_bytes(base, mask)  # i32 [BN, NB, 1] biased exponent
     # 2**(e - 128): a float32 subnormal for e < 2, like ggml_e8m0_to_fp32_half.
     subnormal = tl.full(e.shape, 0x00200000, tl.int32) << e
     d = tl.where(e < 2, subnormal, (tl.maximum(e, 1) - 1) << 23).to(tl.float32, bitcast=True)
-    packed = load_bytes(base + 1 + lane, mask)
-    return _mxfp4_value(packed & 0x0F, d), _mxfp4_value(packed >> 4, d)
+    packed = load_bytes(base + 1 + lane, mask)  # i32 [BN, NB, 16]: low nibbles elements 0..15, high 16..31
+    low = _e2m1_scaled(((packed << 22) & 0x01C00000) | ((packed << 28) & -0x80000000)) * 2.0**127  # kvalue
+    high = _e2m1_scaled(((packed << 18) & 0x01C00000) | ((packed << 24) & -0x80000000)) * 2.0**127
+    return d * low, d * high
+
+
+@triton.jit
+def dot_mxfp4_acc(acc, row, kb, nblk, x_row, rmask, NB: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """acc + one step's MXFP4 products, by fma. A weight d * kvalue is a power of two times at
+    most two significant bits, at least 2^-128 when not zero, so bfloat16 holds every one
+    exactly (and float32 does): rounding to the model dtype is skipped but for float16."""
+    base, mask, lane, xoff, xmask = _blocks32(row, kb, nblk, rmask, 17, NB)
+    low, high = _halves_mxfp4(base, mask, lane)  # [BN, NB, 16] each
+    if WR == 2:
+        low = round_weights(low, WR, INTERP)
+        high = round_weights(high, WR, INTERP)
+    return tl.fma(high, _x(x_row, xoff + 16, xmask), tl.fma(low, _x(x_row, xoff, xmask), acc))  # [BN, NB, 16]
 
 
 @triton.jit

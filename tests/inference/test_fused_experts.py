@@ -393,22 +393,36 @@ def _q4_k_extreme_scales(rows: int, cols: int, rng: np.random.Generator) -> np.n
     return blocks.reshape(rows, -1)
 
 
+def _mxfp4_every_exponent(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """MXFP4 bytes of [rows, cols] whose blocks' E8M0 exponents run over 2..252 (scales from
+    2^-126 to 2^124: every normal scale whose largest weight, 12 d, is finite) with random codes."""
+    blocks = random_blocks(ElementType.MXFP4, (rows, cols), rng).reshape(-1, 17).copy()
+    blocks[:, 0] = 2 + np.arange(blocks.shape[0]) % 251
+    blocks[:, 1:] = rng.integers(0, 256, size=(blocks.shape[0], 16), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+ONE_HOT_CASES = {ElementType.Q4_K: _q4_k_extreme_scales, ElementType.MXFP4: _mxfp4_every_exponent}
+
+
+@pytest.mark.parametrize("element_type", list(ONE_HOT_CASES), ids=lambda t: t.name)
 @pytest.mark.parametrize("kernel", ["gemv", "gemm"])
-def test_one_hot_activations_read_back_each_q4_k_weight_exactly(kernel):
+def test_one_hot_activations_read_back_each_weight_exactly(kernel, element_type):
     """With x a one-hot row, a projection's output is one column of its weights, which both
-    kernels must give bit-identical to dequantize_many's bf16 rounding, across fp16's range of d
-    and dmin (the Q4_K path multiplies by scales without converting the nibbles to float)."""
+    kernels must give equal to dequantize_many's bf16 rounding: Q4_K across fp16's range of d
+    and dmin, MXFP4 across its scales (both compute their weights without converting codes to
+    float: inference.kernels.quant_dot_k.q4_k_values, quant_dot._halves_mxfp4)."""
     rng = np.random.default_rng(7)
     rows, cols = 32, 256
-    role_bytes = _q4_k_extreme_scales(rows, cols, rng)
+    role_bytes = ONE_HOT_CASES[element_type](rows, cols, rng)
     nbytes = role_bytes.size
     slot_bytes = -(-nbytes // 4096) * 4096
     arena = torch.zeros(slot_bytes, dtype=torch.uint8)
     arena[:nbytes] = torch.from_numpy(role_bytes.reshape(-1))
-    weight = gemv_weight([RoleEntry(Role.DOWN, int(ElementType.Q4_K), 0, nbytes, (rows, cols))], rows=rows, cols=cols)
-    expected = dequantize_many(arena[:nbytes].view(1, -1).contiguous(), ElementType.Q4_K, (rows, cols),
+    weight = gemv_weight([RoleEntry(Role.DOWN, int(element_type), 0, nbytes, (rows, cols))], rows=rows, cols=cols)
+    expected = dequantize_many(arena[:nbytes].view(1, -1).contiguous(), element_type, (rows, cols),
                                torch.float32)[0].bfloat16()  # [rows, cols]
-    columns = torch.arange(0, cols, 3)  # every third column: both nibbles, every sub-block
+    columns = torch.arange(0, cols, 3)  # every third column: both nibbles of a byte, every sub-block
     x = torch.zeros(len(columns), cols, dtype=torch.bfloat16)
     x[torch.arange(len(columns)), columns] = 1
     pairs = len(columns)
