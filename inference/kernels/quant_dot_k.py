@@ -82,7 +82,9 @@ def part_q5_k(base, mask, pair, i, packed, high_bits, nibble: tl.constexpr, WR: 
     sub = 2 * pair + nibble  # [1, 4, 1]
     scale, offset = _k_scales(base, sub, mask)
     q = ((packed >> (4 * nibble)) & 0x0F) | (((high_bits >> sub) & 0x01) << 4)
-    return qd.round_weights(scale * q.to(tl.float32) - offset, WR, INTERP), 64 * pair + 32 * nibble + i
+    # scale * q as q4_k_values computes it (a 5-bit q: at most 22 significant bits, exact)
+    scaled = tl.fma(scale, (q | 0x4B000000).to(tl.float32, bitcast=True), scale * -8388608.0)
+    return qd.round_weights(scaled - offset, WR, INTERP), 64 * pair + 32 * nibble + i
 
 
 @triton.jit
@@ -115,7 +117,11 @@ def part_q6_k(base, mask, h, j, t, d, low_bits, high_bits, n: tl.constexpr, WR: 
     sub_scale = tl.load(base + 192 + sub, mask=mask, other=0).to(tl.int8, bitcast=True)
     scale = d * sub_scale.to(tl.float32)  # f32 [BN, 2, 4, 1]
     q = ((low_bits >> (4 * n)) & 0x0F) | (((high_bits >> (2 * (2 * n + j // 2))) & 0x03) << 4)
-    return qd.round_weights(scale * (q - 32).to(tl.float32), WR, INTERP), 128 * h + 64 * n + 16 * j + t
+    # scale * (q - 32) without an int-to-float conversion: scale = d*sc has at most 18 significant
+    # bits, so scale * q (the fma, as in q4_k_values) and scale * (q - 32) have at most 24, and
+    # both the fma and the subtraction are exact
+    scaled = tl.fma(scale, (q | 0x4B000000).to(tl.float32, bitcast=True), scale * -8388608.0)
+    return qd.round_weights(scaled - scale * 32.0, WR, INTERP), 128 * h + 64 * n + 16 * j + t
 
 
 @triton.jit
