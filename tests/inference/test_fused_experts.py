@@ -216,8 +216,12 @@ def test_fused_model_matches_eager_bfloat16(case, tmp_path):
     reference32.save_pretrained(tmp_path / "hf")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16,
                                                      experts_implementation="eager").eval().to(DEVICE)
+    # the experts' kernels against eager, everything else as eager computes it: the decode step's
+    # dense kernels (on CUDA by default) sum in another order than cuBLAS, enough to flip a
+    # near-tie late in a random model's 32 greedy tokens (deepseek_v3's mixed case failed so on an
+    # H200); they have their own tests (test_dense_kernels.py) and bench/agreement.py
     with load_model(bundle_dir, device=DEVICE, dtype=torch.bfloat16, expert_source=LocalPackSource,
-                    experts_compute="fused") as loaded:
+                    experts_compute="fused", dense_kernels=False) as loaded:
         bindings = [getattr(m, BINDING_ATTRIBUTE) for _, m in experts_modules(loaded.model).values()]
         assert all(b.use_fused_kernels for b in bindings)
         assert all((b.fused is None) == (case.startswith("gpt_oss transformers")) for b in bindings), case
