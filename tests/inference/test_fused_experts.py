@@ -406,12 +406,12 @@ def _mxfp4_every_exponent(rows: int, cols: int, rng: np.random.Generator) -> np.
     return blocks.reshape(rows, -1)
 
 
-def _k_quant_random_bytes(element_type: ElementType, fp16_fields: tuple[int, ...]):
-    """Random bytes of a K-quant's super-blocks (any scales and codes), its fp16 fields (byte
-    offsets) drawn from fp16's finite range, subnormals included."""
+def _random_block_bytes(element_type: ElementType, fp16_fields: tuple[int, ...]):
+    """Random bytes of a type's blocks (any scales and codes), its fp16 fields (byte offsets)
+    drawn from fp16's finite range, subnormals included."""
     def make(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-        size = block_shape(element_type)[1]
-        blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+        elements, size = block_shape(element_type)
+        blocks = rng.integers(0, 256, size=(rows * cols // elements, size), dtype=np.uint8)
         for offset in fp16_fields:
             halves = rng.integers(0, 0x7C00, size=blocks.shape[0], dtype=np.uint16)  # finite, >= 0
             halves |= rng.integers(0, 2, size=blocks.shape[0], dtype=np.uint16) << 15  # either sign
@@ -421,17 +421,20 @@ def _k_quant_random_bytes(element_type: ElementType, fp16_fields: tuple[int, ...
 
 
 ONE_HOT_CASES = {ElementType.Q4_K: _q4_k_extreme_scales, ElementType.MXFP4: _mxfp4_every_exponent,
-                 ElementType.Q5_K: _k_quant_random_bytes(ElementType.Q5_K, (0, 2)),
-                 ElementType.Q6_K: _k_quant_random_bytes(ElementType.Q6_K, (208,))}
+                 **{t: _random_block_bytes(t, fields) for t, fields in (
+                     (ElementType.Q5_K, (0, 2)), (ElementType.Q6_K, (208,)), (ElementType.Q2_K, (80, 82)),
+                     (ElementType.Q3_K, (108,)), (ElementType.Q8_0, (0,)), (ElementType.Q4_0, (0,)),
+                     (ElementType.Q4_1, (0, 2)), (ElementType.Q5_0, (0,)), (ElementType.Q5_1, (0, 2)))}}
 
 
 @pytest.mark.parametrize("element_type", list(ONE_HOT_CASES), ids=lambda t: t.name)
 @pytest.mark.parametrize("kernel", ["gemv", "gemm"])
 def test_one_hot_activations_read_back_each_weight_exactly(kernel, element_type):
     """With x a one-hot row, a projection's output is one column of its weights, which both
-    kernels must give equal to dequantize_many's bf16 rounding: the K-quants across fp16's range
-    of d and dmin, MXFP4 across its scales (each computes its weights without converting codes
-    to float: inference.kernels.quant_dot_k, quant_dot._halves_mxfp4)."""
+    kernels must give equal to dequantize_many's bf16 rounding: the quantized types across
+    fp16's range of their scales, MXFP4 across its exponents (Q4_K, Q5_K, Q6_K and MXFP4
+    compute their weights without converting codes to float: quant_dot_k.q4_k_values and the
+    parts beside it, quant_dot._halves_mxfp4)."""
     rng = np.random.default_rng(7)
     rows, cols = 32, 256
     role_bytes = ONE_HOT_CASES[element_type](rows, cols, rng)
