@@ -13,8 +13,11 @@
 #   for before its token is picked: the baseline of decoding one token ahead) into profile-wait.json.
 #   PROFILE_BASELINE_ARGS="--no-dense-kernels" runs it again with those flags into profile-baseline.json.
 #   (8) bench/dense_kernels.py (the decode step's GEMV, attention and router kernels against torch's,
-#   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile.
-#   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no kernels bench).
+#   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile; before it
+#   (9) bench/gemv_sweep.py (the experts' GEMV and grouped GEMM per launch shape, types
+#   $GPU_HOTPATH_GEMV_TYPES, default Q4_K MXFP4) into gemv_sweep.json.
+#   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no CPU kernels
+#   bench; GPU_HOTPATH_GEMV_S=0: no experts sweep).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +75,13 @@ echo "=== CPU experts kernels"
 timeout --kill-after=10 "${GPU_HOTPATH_CPU_S:-120}" python3 bench/host_experts_bench.py --threads ${GPU_HOTPATH_CPU_THREADS:-1 12} \
     ${GPU_HOTPATH_CPU_BASELINE:+--baseline "$GPU_HOTPATH_CPU_BASELINE"} --json "$OUT/host_experts_bench.json" 2>&1 \
     | tee "$OUT/logs/host_experts_bench.log" | tail -8
+((PIPESTATUS[0] != 0)) && failed=1
+fi
+
+if [[ "${GPU_HOTPATH_GEMV_S:-120}" != 0 ]]; then
+echo "=== experts GEMV and grouped GEMM launch shapes"
+timeout --kill-after=10 "${GPU_HOTPATH_GEMV_S:-120}" python3 bench/gemv_sweep.py --types ${GPU_HOTPATH_GEMV_TYPES:-Q4_K MXFP4} \
+    --json "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/logs/gemv_sweep.log" | grep -E "GEMV|GEMM|best"
 ((PIPESTATUS[0] != 0)) && failed=1
 fi
 
