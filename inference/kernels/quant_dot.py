@@ -9,7 +9,8 @@ them with gguf-py's arithmetic (the same formulas as inference.dequant's kernels
 float32 values), rounds each weight to the model's dtype (what a resident model holds after
 loading the dequantized tensor), and returns the float32 products with the matching activations
 as a tile (not yet summed: the caller accumulates tiles across steps and reduces once at the
-end, `reduce_tile`, rather than paying a cross-thread reduction every step). Nothing is written
+end, `reduce_tile`, rather than paying a cross-thread reduction every step; MXFP4's
+`dot_mxfp4_acc` adds its products to the accumulator it is given, by fma). Nothing is written
 to memory: the weights are read once, in place, from the slot.
 
 Common arguments:

@@ -3,9 +3,11 @@
 The same contract as inference.kernels.quant_dot (which has the plain floats and the 32-element
 block types, and the shared helpers): each `dot_<type>` returns the float32 products of a step's
 weights, dequantized with gguf-py's arithmetic and rounded to the model dtype, with the matching
-activations, as a tile; each `part_<type>` gives one part of a super-block's weights and their
-element offsets, which the GEMV (`dot_<type>`) and the grouped GEMM's tiles
-(inference.kernels.quant_tile) are both built from.
+activations, as a tile (Q4_K's `dot_q4_k_acc` adds them to the accumulator it is given, by fma);
+each `part_<type>` gives one part of a super-block's weights and their element offsets, which the
+GEMV (`dot_<type>`) and the grouped GEMM's tiles (inference.kernels.quant_tile) are both built
+from. Q4_K, Q5_K and Q6_K turn their codes into floats without a conversion instruction (the code
+OR-ed into the bits of 2^23, then an exact fma: `q4_k_values`).
 """
 
 from __future__ import annotations
