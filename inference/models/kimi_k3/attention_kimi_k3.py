@@ -23,7 +23,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from inference.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
-from inference.models.kimi_k3.transformers_compat import linear_attention_states
+from inference.models.kimi_k3.transformers_compat import count_in_place_conv_token, linear_attention_states
 
 KDA_CONV_ACTIVATION = "silu"  # fixed in K3 (hidden_act is "situ", which only the MLPs use)
 
@@ -84,6 +84,7 @@ class KimiK3DeltaAttention(nn.Module):
                                  self.v_conv1d.weight]).squeeze(1)  # [3d, K]
         conv_state, recurrent_state = linear_attention_states(cache, self.layer_idx)
         if conv_state is not None and seq_len == 1:
+            count_in_place_conv_token(cache, self.layer_idx)
             mixed_qkv = kimi_linear.causal_conv1d_update(mixed_qkv, conv_state, weight=conv_weight,
                                                          activation=KDA_CONV_ACTIVATION)
         else:

@@ -1,12 +1,17 @@
-"""The transformers API differences Kimi-K3 meets between 5.17 and 5.24, detected once at import.
+"""The transformers API differences Kimi-K3 meets between 5.17 and 5.25, detected once at import.
 
-pyproject allows transformers >= 5.17: the lent GPU machine's image has 5.17.0, CI and the dev venv
-5.24.0. Between the two, transformers renamed the cache everywhere a model touches it:
+pyproject allows transformers >= 5.17: the lent GPU machine's image has 5.17.0, and CI installs the
+newest (5.25.0 on 2026-12-03). Between 5.17 and 5.24 transformers renamed the cache everywhere a model
+touches it:
 - model forwards, `create_causal_mask` / `create_recurrent_attention_mask` and the model output
   dataclasses call it `cache` in 5.24, `past_key_values` in 5.17 (whose `generate` passes and reads
   `past_key_values`);
 - 5.24's Cache has `get_conv_state` / `get_recurrent_state` (None before the first update); 5.17 has
   only `has_previous_state(layer_idx, state_idx)` and the layer's `conv_states` / `recurrent_states`.
+- 5.25's linear-attention cache layers count their tokens themselves, in update_conv_state; a
+  single-token decode that updates the conv state in place must add its token with
+  `increase_count(layer_idx, state_idx)` (what 5.25's kimi_linear does), or get_seq_length stays
+  at the prefix's length. Before 5.25 there is no such count (and no such method).
 (5.24's KimiLinearTopkRouter also creates its weight in float32, 5.17's in the default dtype; that one
 needs no detection: KimiK3TopkRouter in moe_kimi_k3 always makes it float32.)
 Each difference is detected from the installed API itself (a signature, a dataclass field, an
@@ -33,6 +38,7 @@ MASK_CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).pa
 OUTPUT_CACHE_NAME = ("cache" if "cache" in {f.name for f in dataclasses.fields(MoeModelOutputWithPast)}
                      else LEGACY_CACHE_NAME)
 CACHE_HAS_STATE_GETTERS = hasattr(Cache, "get_conv_state") and hasattr(Cache, "get_recurrent_state")
+CACHE_COUNTS_LINEAR_TOKENS = hasattr(Cache, "increase_count")
 
 
 def mask_cache_kwargs(cache: Cache | None) -> dict[str, Cache | None]:
@@ -84,3 +90,10 @@ def linear_attention_states(cache: Cache | None, layer_idx: int) -> tuple[torch.
         return None, None
     layer = cache.layers[layer_idx]
     return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def count_in_place_conv_token(cache: Cache, layer_idx: int) -> None:
+    """Record one token a single-token decode added to layer `layer_idx`'s conv state in place
+    (transformers >= 5.25 counts a linear-attention layer's tokens; earlier ones need nothing)."""
+    if CACHE_COUNTS_LINEAR_TOKENS:
+        cache.increase_count(layer_idx, 0)
