@@ -1,0 +1,77 @@
+"""bench/kernel_sass.py: its launch-shape parsing, its loop finder on a hand-written SASS listing,
+and (slow) a real compile of the Q4_K GEMV for sm_90 on this CPU machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.kernel_sass import loop_of, opcode, parse_shape
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text, expected", [("8x1", (8, 1)), ("4X2", (4, 2)), ("64x8", (64, 8))])
+def test_launch_shapes_parse(text, expected):
+    assert parse_shape(text) == expected
+
+
+@pytest.mark.parametrize("text, why", [("8", "ROWSxWARPS"), ("8x", "ROWSxWARPS"), ("6x1", "power of two"),
+                                       ("8x3", "warps"), ("0x1", "power of two"), ("ax1", "ROWSxWARPS")])
+def test_bad_launch_shapes_are_refused_naming_them(text, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why) as err:
+        parse_shape(text)
+    assert repr(text) in str(err.value)
+
+
+SASS = """Function:moe_gemv_kernel
+--:-:-:-:1\tMOV R1, c[0x0][0x28];
+LBB1:
+--:-:-:-:1\tLDG.E.U8 R2, desc[UR4][R4.64];
+--:-:-:-:1\t@!P0 FFMA R3, R2, R5, R3;
+--:-:-:-:1\tLOP3.LUT R6, R2, 0xf, RZ, 0xc0, !PT;
+--:-:-:-:6\t@P5 BRA LBB1;
+LBB0:
+--:-:-:-:1\tFADD R7, R3, R3;
+LBB2:
+--:-:-:Y:0\tBRA LBB2;
+"""
+
+
+def test_the_loop_is_the_longest_backward_branch_and_opcodes_drop_predicates_and_suffixes():
+    loop = loop_of(SASS)
+    assert [opcode(line) for line in loop] == ["LDG", "FFMA", "LOP3", "BRA"]  # not the one-line LBB2 spin
+    assert loop_of("Function:k\n--:-:-:-:1\tEXIT;\n") == []
+
+
+@pytest.mark.slow
+def test_the_q4_k_gemv_compiles_and_its_loop_is_counted(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler
+    env["PYTHONPATH"] = str(REPO)
+    out = tmp_path / "sass.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K",
+                          "--shapes", "8x1", "--json", str(out)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["type"] == "Q4_K" and row["loop_instructions"] > 100
+    assert row["opcodes"].get("FFMA", 0) > 0 and "I2F" not in row["opcodes"]  # conversion-free Q4_K
+    assert "Q4_K   8x1: loop" in run.stdout
+
+
+@pytest.mark.parametrize("name, why", [("IQ2_XXS", "not a type the fused GEMV reads"),
+                                       ("NOPE", "not an element type")])
+def test_a_type_the_gemv_does_not_read_is_refused_naming_it(name, why):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", name],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0 and f"{name}: {why}" in run.stderr
