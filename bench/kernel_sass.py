@@ -72,15 +72,12 @@ def measure(type_names: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sys.path.insert(0, str(REPO / "tests" / "inference"))
-    from kernels_compile_check import GEMV
-
     from inference.kernels import moe_triton
     from inference.kernels.ops import _TYPE_CODES
     from packformat.constants import ElementType, block_shape
 
     kernel = moe_triton.moe_gemv_kernel
-    signature = {name: GEMV.get(name, "constexpr") for name in kernel.arg_names}
+    signature = {name: moe_triton.GEMV_ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     rows_out = []
     for name in type_names:

@@ -22,6 +22,15 @@ from inference.kernels import quant_dot as qd
 from inference.kernels import quant_dot_k as qk
 from inference.kernels import quant_tile as qt
 
+# The kernels' non-constexpr arguments as triton types, for compiling them ahead of time without a
+# launch (tests/inference/kernels_compile_check.py, bench/kernel_sass.py): a bf16 model's.
+_COMMON_ARGUMENT_TYPES = {
+    "x_ptr": "*bf16", "arena_ptr": "*u8", "out_ptr": "*bf16", "x_stride": "i32", "slot_bytes": "i32", "off1": "i32",
+    "off2": "i32", "n_split": "i32", "row_bytes": "i32", "nblk": "i32", "out_stride": "i32", "N": "i32",
+    "host_first": "i32", "host_delta": "i64"}  # a host tier: its distance is 64-bit
+GEMM_ARGUMENT_TYPES = {**_COMMON_ARGUMENT_TYPES, "order_ptr": "*i64", "blocks_ptr": "*i32"}
+GEMV_ARGUMENT_TYPES = {**_COMMON_ARGUMENT_TYPES, "expert_ptr": "*i64", "map_ptr": "*i32", "miss_ptr": "*i32"}
+
 # Kernel type codes (the QT constexpr): each type's inference.dequant.registry.FusedKernel.code,
 # checked against ops.KERNEL_CODES on import of inference.kernels.ops.
 

@@ -16,11 +16,7 @@ from inference.kernels import moe_triton as mt
 from inference.kernels import router_topk as rt
 from inference.kernels.ops import _TYPE_CODES, GEMM_PARTS
 
-POINTERS = {"x_ptr": "*bf16", "arena_ptr": "*u8", "out_ptr": "*bf16", "x_stride": "i32", "slot_bytes": "i32",
-            "off1": "i32", "off2": "i32", "n_split": "i32", "row_bytes": "i32", "nblk": "i32", "out_stride": "i32",
-            "N": "i32", "host_first": "i32", "host_delta": "i64"}  # a host tier: its distance is 64-bit
-GEMM = {**POINTERS, "order_ptr": "*i64", "blocks_ptr": "*i32"}
-GEMV = {**POINTERS, "expert_ptr": "*i64", "map_ptr": "*i32", "miss_ptr": "*i32"}
+GEMM, GEMV = mt.GEMM_ARGUMENT_TYPES, mt.GEMV_ARGUMENT_TYPES
 
 
 # the decode step's dense kernels (inference.kernels.dense_ops): every argument that is not a
