@@ -77,7 +77,11 @@ def measure(type_names: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
     from packformat.constants import ElementType, block_shape
 
     kernel = moe_triton.moe_gemv_kernel
-    signature = {name: moe_triton.GEMV_ARGUMENT_TYPES.get(name, "constexpr") for name in kernel.arg_names}
+    argument_types = getattr(moe_triton, "GEMV_ARGUMENT_TYPES", None)
+    if argument_types is None:  # a tree before they moved beside the kernel (a --baseline-rev run)
+        sys.path.insert(0, str(REPO / "tests" / "inference"))
+        from kernels_compile_check import GEMV as argument_types
+    signature = {name: argument_types.get(name, "constexpr") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     rows_out = []
     for name in type_names:
@@ -105,15 +109,19 @@ def measure(type_names: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
 def at_revision(rev: str, argv: list[str]) -> list[dict]:
     """This script's rows for the tree of git revision `rev` (exported to a temporary directory)."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True)
+        if archive.returncode != 0:
+            raise SystemExit(f"--baseline-rev {rev!r}: git archive failed: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        # this script, run against the revision's modules (older trees have none, or an older one)
         script = Path(tmp) / "bench" / "kernel_sass.py"
-        if not script.exists():  # an older tree: run this script against its modules
-            script.parent.mkdir(exist_ok=True)
-            script.write_text(Path(__file__).read_text())
-        out = subprocess.run([sys.executable, str(script), *argv, "--json-stdout"], check=True,
-                             capture_output=True, text=True, cwd=tmp).stdout
-    return json.loads(out)
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(Path(__file__).read_text())
+        run = subprocess.run([sys.executable, str(script), *argv, "--json-stdout"], capture_output=True, text=True,
+                             cwd=tmp)
+        if run.returncode != 0:
+            raise SystemExit(f"--baseline-rev {rev!r}: its kernels did not compile: {run.stderr.strip()[-1500:]}")
+    return json.loads(run.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:

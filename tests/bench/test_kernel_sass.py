@@ -75,3 +75,23 @@ def test_a_type_the_gemv_does_not_read_is_refused_naming_it(name, why):
     run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", name],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode != 0 and f"{name}: {why}" in run.stderr
+
+
+def test_an_unknown_baseline_revision_is_refused_naming_it():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K", "--shapes", "8x1",
+                          "--baseline-rev", "no-such-revision"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0 and "--baseline-rev 'no-such-revision': git archive failed" in run.stderr
+
+
+@pytest.mark.slow
+def test_a_baseline_revision_is_compiled_beside_the_tree():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K", "--shapes", "8x1",
+                          "--baseline-rev", "HEAD"], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "(at HEAD: " in run.stdout
