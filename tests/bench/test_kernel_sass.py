@@ -17,6 +17,15 @@ from bench.kernel_sass import loop_of, opcode, parse_shape
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    """bench/kernel_sass.py with triton's real compiler (not the tests' interpreter)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=900)
+
+
 @pytest.mark.parametrize("text, expected", [("8x1", (8, 1)), ("4X2", (4, 2)), ("64x8", (64, 8))])
 def test_launch_shapes_parse(text, expected):
     assert parse_shape(text) == expected
@@ -52,13 +61,8 @@ def test_the_loop_is_the_longest_backward_branch_and_opcodes_drop_predicates_and
 
 @pytest.mark.slow
 def test_the_q4_k_gemv_compiles_and_its_loop_is_counted(tmp_path):
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler
-    env["PYTHONPATH"] = str(REPO)
     out = tmp_path / "sass.json"
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K",
-                          "--shapes", "8x1", "--json", str(out)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    run = run_tool("--types", "Q4_K", "--shapes", "8x1", "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["type"] == "Q4_K" and row["loop_instructions"] > 100
@@ -69,29 +73,17 @@ def test_the_q4_k_gemv_compiles_and_its_loop_is_counted(tmp_path):
 @pytest.mark.parametrize("name, why", [("IQ2_XXS", "not a type the fused GEMV reads"),
                                        ("NOPE", "not an element type")])
 def test_a_type_the_gemv_does_not_read_is_refused_naming_it(name, why):
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", name],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = run_tool("--types", name)
     assert run.returncode != 0 and f"{name}: {why}" in run.stderr
 
 
 def test_an_unknown_baseline_revision_is_refused_naming_it():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K", "--shapes", "8x1",
-                          "--baseline-rev", "no-such-revision"], capture_output=True, text=True, env=env, timeout=600)
+    run = run_tool("--types", "Q4_K", "--shapes", "8x1", "--baseline-rev", "no-such-revision")
     assert run.returncode != 0 and "--baseline-rev 'no-such-revision': git archive failed" in run.stderr
 
 
 @pytest.mark.slow
 def test_a_baseline_revision_is_compiled_beside_the_tree():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--types", "Q4_K", "--shapes", "8x1",
-                          "--baseline-rev", "HEAD"], capture_output=True, text=True, env=env, timeout=900)
+    run = run_tool("--types", "Q4_K", "--shapes", "8x1", "--baseline-rev", "HEAD")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "(at HEAD: " in run.stdout
