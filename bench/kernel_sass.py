@@ -1,13 +1,15 @@
-"""What the experts' GEMV compiles to on sm_90, without a GPU: the SASS of its main loop per type.
+"""What the experts' kernels compile to on sm_90, without a GPU: the SASS of their main loop per type.
 
-The GEMV is bound by the instructions it issues (docs/benchmarks.md, twelfth run), so the count of
-instructions in the loop over a row's blocks, per weight a thread handles, is a cheap first check
-of a kernel change before the device measures it. The kernel is compiled with triton's own
+The GEMV is bound by the instructions it issues (docs/benchmarks.md, twelfth run), and so is the
+prefill's grouped GEMM, whose tensor cores wait on the CUDA cores that dequantize their operand: the
+count of instructions in the loop over a row's blocks, per weight a thread handles, is a cheap first
+check of a kernel change before the device measures it. The kernel is compiled with triton's own
 compiler and disassembler (the ones its wheel carries), with the launch's integer arguments marked
 16-divisible as a real launch specializes them.
 
     python bench/kernel_sass.py --types Q4_K MXFP4 --shapes 8x1 4x1
     python bench/kernel_sass.py --types Q4_K --baseline-rev d99c19b   # the same for another revision
+    python bench/kernel_sass.py --kernel gemm --shapes 64x4 128x4    # the grouped GEMM (BLOCK_N x warps)
 
 Read with care: the loop is the longest backward branch of the SASS, and "per weight" divides its
 length by the weights one iteration covers per thread, assuming the compiler did not unroll it
@@ -28,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# the GEMV's arguments that a real launch gives 16-divisible values (pointers, strides, byte offsets)
-DIVISIBLE = ("x_ptr", "x_stride", "expert_ptr", "map_ptr", "miss_ptr", "arena_ptr", "slot_bytes", "host_first",
-             "host_delta", "off1", "off2", "row_bytes", "out_ptr", "out_stride", "N")
+# the kernels' arguments that a real launch gives 16-divisible values (pointers, strides, byte offsets)
+DIVISIBLE = ("x_ptr", "x_stride", "expert_ptr", "map_ptr", "miss_ptr", "order_ptr", "blocks_ptr", "arena_ptr",
+             "slot_bytes", "host_first", "host_delta", "off1", "off2", "row_bytes", "out_ptr", "out_stride", "N")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -67,40 +69,51 @@ def opcode(line: str) -> str:
     return words[0].rstrip(";").split(".")[0]
 
 
-def measure(type_names: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
+def measure(type_names: list[str], shapes: list[tuple[int, int]], kernel_name: str = "gemv",
+            whole: bool = False) -> list[dict]:
+    """One row per (type, shape): the loop's length, per weight, and its commonest opcodes. For the
+    GEMM a shape is (BLOCK_N, warps) at the shipped BLOCK_M, in parts (ops.GEMM_SPLIT) unless whole."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from inference.kernels import moe_triton
+    from inference.kernels import moe_triton, ops
     from inference.kernels.ops import _TYPE_CODES
     from packformat.constants import ElementType, block_shape
 
-    kernel = moe_triton.moe_gemv_kernel
-    argument_types = getattr(moe_triton, "GEMV_ARGUMENT_TYPES", None)
+    kernel = moe_triton.moe_gemv_kernel if kernel_name == "gemv" else moe_triton.moe_gemm_kernel
+    argument_types = getattr(moe_triton, f"{kernel_name.upper()}_ARGUMENT_TYPES", None)
     if argument_types is None:  # a tree before they moved beside the kernel (a --baseline-rev run)
         sys.path.insert(0, str(REPO / "tests" / "inference"))
-        from kernels_compile_check import GEMV as argument_types
+        import kernels_compile_check
+        argument_types = getattr(kernels_compile_check, kernel_name.upper())
     signature = {name: argument_types.get(name, "constexpr") for name in kernel.arg_names}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE
+             if name in kernel.arg_names}
     rows_out = []
     for name in type_names:
         element_type = ElementType.__members__.get(name)
         if element_type is None:
             raise SystemExit(f"{name}: not an element type (packformat.constants.ElementType)")
         if element_type not in _TYPE_CODES:
-            raise SystemExit(f"{name}: not a type the fused GEMV reads")
+            raise SystemExit(f"{name}: not a type the fused kernels read")
         code, blocks_per_step, rank = _TYPE_CODES[element_type]
         step_weights = blocks_per_step * block_shape(element_type)[0]
         for rows, warps in shapes:
-            constants = dict(QT=code, NB=blocks_per_step, RANK=rank, BLOCK_N=rows, WR=1, INTERP=False, TOP_K=8,
-                             X_PER_PAIR=False, COUNT_MISSES=False)
+            if kernel_name == "gemv":
+                constants = dict(QT=code, NB=blocks_per_step, RANK=rank, BLOCK_N=rows, WR=1, INTERP=False, TOP_K=8,
+                                 X_PER_PAIR=False, COUNT_MISSES=False)
+            else:  # the prefill's up projection (tokens gathered), as ops.moe_gemm launches it
+                constants = dict(QT=code, NB=blocks_per_step, BLOCK_M=ops.GEMM_BLOCK_M, BLOCK_N=rows, TOP_K=8,
+                                 GATHER_TOKENS=True, WR=1, INTERP=False, SPLIT=not whole, PARTS=ops.GEMM_PARTS[code])
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": warps, "enable_fp_fusion": False})
             loop = loop_of(compiled.asm["sass"])
             per_thread = rows * step_weights / (32 * warps)  # weights one iteration covers per thread
-            rows_out.append({"type": name, "rows": rows, "warps": warps, "loop_instructions": len(loop),
+            rows_out.append({"kernel": kernel_name, "type": name, "rows": rows, "warps": warps,
+                             "loop_instructions": len(loop),
+                             "global_loads": sum(opcode(line) == "LDG" for line in loop),  # vectorized: few
                              "per_weight": round(len(loop) / per_thread, 2) if loop else None,
                              "opcodes": dict(collections.Counter(opcode(line) for line in loop).most_common(12))})
     return rows_out
@@ -126,22 +139,31 @@ def at_revision(rev: str, argv: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("gemv", "gemm"), default="gemv",
+                        help="the decode's GEMV (default) or the prefill's grouped GEMM")
     parser.add_argument("--types", nargs="+", default=["Q4_K", "MXFP4"])
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 1), (4, 1)],
-                        help="launch shapes ROWSxWARPS (default 8x1 4x1)")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                        help="launch shapes ROWSxWARPS, rows being BLOCK_N (default 8x1 4x1 for the GEMV, "
+                             "64x4 128x4 for the GEMM)")
+    parser.add_argument("--whole", action="store_true", help="the GEMM dequantizes each step whole, not in parts")
     parser.add_argument("--baseline-rev", default=None, help="also compile the kernels of this git revision")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--json-stdout", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rows = measure(args.types, args.shapes)
+    if args.whole and args.kernel != "gemm":
+        parser.error("--whole: only the GEMM (--kernel gemm) dequantizes in parts")
+    if args.shapes is None:
+        args.shapes = [(8, 1), (4, 1)] if args.kernel == "gemv" else [(64, 4), (128, 4)]
+    rows = measure(args.types, args.shapes, args.kernel, args.whole)
     if args.json_stdout:
         print(json.dumps(rows))
         return 0
-    forwarded = ["--types", *args.types, "--shapes", *[f"{r}x{w}" for r, w in args.shapes]]
+    forwarded = ["--kernel", args.kernel, "--types", *args.types, "--shapes", *[f"{r}x{w}" for r, w in args.shapes],
+                 *(["--whole"] if args.whole else [])]
     baseline = {(r["type"], r["rows"], r["warps"]): r for r in at_revision(args.baseline_rev, forwarded)} \
         if args.baseline_rev else {}
     for row in rows:
-        line = (f"{row['type']:6s} {row['rows']}x{row['warps']}: loop {row['loop_instructions']} instructions, "
+        line = (f"{args.kernel} {row['type']:6s} {row['rows']}x{row['warps']}: loop {row['loop_instructions']} instructions, "
                 f"{row['per_weight']} per weight")
         old = baseline.get((row["type"], row["rows"], row["warps"]))
         if old is not None:
@@ -149,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         print("    " + ", ".join(f"{k} {v}" for k, v in row["opcodes"].items()))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "baseline_rev": args.baseline_rev,
+        args.json.write_text(json.dumps({"kernel": args.kernel, "whole": args.whole, "rows": rows,
+                                         "baseline_rev": args.baseline_rev,
                                          "baseline": list(baseline.values())}, indent=1) + "\n")
     return 0
 

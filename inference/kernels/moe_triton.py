@@ -138,8 +138,10 @@ def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.con
         return acc + tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
     elif WR == 0:
         return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
-    else:
-        return acc + tl.dot(a, tl.trans(w.to(a.dtype)))
+    else:  # w: unrounded float32 weights, rounded here once to the operand's dtype, by an
+        # instruction the compiler cannot move above the dequantization (a cast it would: the
+        # arithmetic then runs in bfloat16, seen for Q4_1's d * q + m on an H200)
+        return acc + tl.dot(a, tl.trans(qd.to_model_dtype(w, WR)))
 
 
 @triton.jit
@@ -175,21 +177,26 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
     nmask = n < N
     n64 = n.to(tl.int64)
-    row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
+    # the second role's rows by arithmetic, not a select over the rows: triton keeps the offsets'
+    # 16-byte divisibility through it (not through a select), so a row's packed bytes load as
+    # 16-byte vectors where the launch's offsets allow (Q4_K, Q5_K: a third of the loop's instructions)
+    second = (n64 >= n_split).to(tl.int64)  # [BN] 1 for the second role's rows
+    row_offset = off1 + n64 * row_bytes + second * (off2 - off1 - n_split * row_bytes.to(tl.int64))  # [BN] bytes
     base = tl.where(slot >= host_first, host_delta + (slot - host_first) * slot_bytes, slot * slot_bytes)  # bytes
     row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     rmask = nmask[:, None]
     x_base = x_ptr + x_rows[:, None] * x_stride  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # compiled, the tiles hold unrounded float32 weights (WR 0) that _gemm_step rounds once, as the
+    # dot's operand; interpreted, they are rounded on their bits (the interpreter's cast truncates)
+    TILE_WR: tl.constexpr = WR if INTERP else 0
     for kb in range(0, nblk, NB):
-        # weights rounded on their bits: a rounding cast that only feeds another cast lets the
-        # compiler compute the dequantization in bfloat16 (seen for Q4_1's d * q + m on an H200)
         if SPLIT:  # the step in parts: smaller tiles, fewer live registers
             for part in tl.static_range(PARTS):
-                w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, True, part)
+                w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, True, part)
                 acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
         else:
-            w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, WR, True)  # [BN, BK], [BK]
+            w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, True)  # [BN, BK], [BK]
             acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
     out = qd.round_weights(acc, WR, INTERP)
     tl.store(out_ptr + s[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),

@@ -58,6 +58,20 @@ def round_weights(v, WR: tl.constexpr, BITWISE: tl.constexpr):
 
 
 @triton.jit
+def to_model_dtype(v, WR: tl.constexpr):
+    """float32 values as the model dtype (WR bf16 or f16), rounded to nearest even, with one
+    `cvt.rn.{bf16,f16}x2.f32` per two values. An inline instruction, not a cast: the compiler
+    cannot move it above the arithmetic that made v (a cast may be hoisted so that the
+    arithmetic runs in the narrow type, which rounds differently)."""
+    if WR == 1:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+
+
+@triton.jit
 def _x(x_row, offsets, mask):
     return tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
 

@@ -70,7 +70,29 @@ def test_the_q4_k_gemv_compiles_and_its_loop_is_counted(tmp_path):
     assert "Q4_K   8x1: loop" in run.stdout
 
 
-@pytest.mark.parametrize("name, why", [("IQ2_XXS", "not a type the fused GEMV reads"),
+@pytest.mark.slow
+def test_the_q4_k_gemm_compiles_with_vector_loads_and_one_conversion_per_two_weights(tmp_path):
+    """The prefill's grouped GEMM: tensor-core dots, the packed nibbles loaded as 16-byte vectors (the
+    row offsets keep their divisibility) and the weights rounded by cvt.rn.bf16x2 (F2FP), not on
+    their bits (that took a float compare, FSETP, per weight)."""
+    out = tmp_path / "sass.json"
+    run = run_tool("--kernel", "gemm", "--types", "Q4_K", "--shapes", "64x4", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["kernel"] == "gemm" and row["kernel"] == "gemm" and "gemm Q4_K   64x4: loop" in run.stdout
+    per_thread = 64 * 256 / 128  # weights of one step per thread (64 rows, a 256-element super-block, 4 warps)
+    assert row["opcodes"].get("HMMA", 0) > 0 and row["opcodes"].get("F2FP", 0) == per_thread / 2
+    assert "FSETP" not in row["opcodes"]
+    assert row["global_loads"] < per_thread / 4  # byte by byte it was 84 of 128
+
+
+def test_whole_steps_are_refused_for_the_gemv():
+    run = run_tool("--types", "Q4_K", "--whole")
+    assert run.returncode != 0 and "--whole: only the GEMM" in run.stderr
+
+
+@pytest.mark.parametrize("name, why", [("IQ2_XXS", "not a type the fused kernels read"),
                                        ("NOPE", "not an element type")])
 def test_a_type_the_gemv_does_not_read_is_refused_naming_it(name, why):
     run = run_tool("--types", name)
