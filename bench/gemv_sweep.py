@@ -4,6 +4,7 @@ the prefill's grouped GEMM (pairs per block, rows per program, warps: ops.GEMM_T
 the dequantize-then-grouped_mm path it replaced.
 
     python bench/gemv_sweep.py --types Q4_K MXFP4          # prints a table; --json keeps it
+    python bench/gemv_sweep.py --no-gemv --gemm-tokens 64 512 2048   # the GEMM at longer prompts
 
 Each case is one token's top-k experts of a model shape (gate+up [2I, H] and down [H, I] of the
 type, in random valid bytes, in an arena of `--experts` slots), launched in a CUDA graph of 20
@@ -103,7 +104,10 @@ def sweep(type_name: str, *, experts: int = 64, install: bool = True) -> dict:
             "default": next(r for r in rows if (r["block_n"], r["warps"]) == (ops.GEMV_BLOCK_N, ops.GEMV_WARPS))}
 
 
-GEMM_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8), (32, 64, 4), (32, 128, 8)]
+# (pairs per block, rows per program, warps); blocks of 32 and 64 pairs are for long prompts, where an
+# expert's pairs span several blocks of 16 and each block dequantizes the expert's weights again
+GEMM_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8), (32, 64, 4), (32, 128, 8),
+                (64, 64, 4), (64, 128, 8)]
 
 
 def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install: bool = True) -> dict:
@@ -134,6 +138,8 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
         rows.append({"block_m": block_m, "block_n": block_n, "warps": warps, "split": split, "up_us": up_us,
                      "down_us": down_us, "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
     best = min(rows, key=lambda r: r["up_us"] + r["down_us"])
+    shipped = next((r for r in rows if (r["block_m"], r["block_n"], r["warps"], r["split"])
+                    == (ops.GEMM_BLOCK_M, *ops.GEMM_TUNING, ops.GEMM_SPLIT)), None)
 
     table = arena.view(experts, slot_bytes)
     rows_t = torch.tensor(ids, device=device)
@@ -159,7 +165,8 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
         ops.GEMM_TUNING = (best["block_n"], best["warps"])
         ops.GEMM_SPLIT = best["split"]
     return {"type": type_name, "kind": "gemm", "tokens": tokens, "experts_touched": len(ids), "top_k": top_k,
-            "rows": rows, "best": best, "replaced_us": replaced_us, "replaced_error": replaced_error}
+            "rows": rows, "best": best, "shipped": shipped, "replaced_us": replaced_us,
+            "replaced_error": replaced_error}
 
 
 def gemm_report(result: dict) -> str:
@@ -169,8 +176,12 @@ def gemm_report(result: dict) -> str:
         lines.append(f"  pairs/block {r['block_m']:3d} rows/program {r['block_n']:3d} warps {r['warps']} "
                      f"{'parts' if r['split'] else 'whole'}: up "
                      f"{r['up_us']:7.1f} us  down {r['down_us']:7.1f} us  {r['gbps']:7.1f} GB/s of weights")
-    b = result["best"]
+    b, shipped = result["best"], result.get("shipped")
     total = b["up_us"] + b["down_us"]
+    if shipped is not None:
+        lines.append(f"  shipped {shipped['block_m']}x{shipped['block_n']}x{shipped['warps']} "
+                     f"{'parts' if shipped['split'] else 'whole'}: {shipped['up_us'] + shipped['down_us']:.1f} us "
+                     f"per layer ({(shipped['up_us'] + shipped['down_us']) / total:.2f}x the best)")
     if result["replaced_us"] is None:
         lines.append(f"  best {b['block_m']}x{b['block_n']}x{b['warps']}: {total:.1f} us per layer; dequantize + "
                      f"grouped_mm failed: {result['replaced_error']}")
@@ -193,12 +204,27 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a prefill length is a positive integer, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--gemm-tokens", nargs="+", type=positive_int, default=[64],
+                        help="prefill lengths the grouped GEMM is swept at (default 64)")
+    parser.add_argument("--no-gemv", action="store_true", help="sweep the grouped GEMM only")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    results = [sweep(name) for name in args.types] + [gemm_sweep(name) for name in args.types]
+    results = [] if args.no_gemv else [sweep(name) for name in args.types]
+    # the shipped launch shape stays installed between prefill lengths: each sweep's best is reported
+    results += [gemm_sweep(name, tokens=tokens, install=False) for name in args.types for tokens in args.gemm_tokens]
     for result in results:
         print(gemm_report(result) if result.get("kind") == "gemm" else report(result))
     if args.json:

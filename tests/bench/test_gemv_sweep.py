@@ -1,0 +1,27 @@
+"""bench/gemv_sweep.py on a CPU machine: its arguments (the sweep itself needs CUDA)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.gemv_sweep import GEMM_CONFIGS, positive_int
+
+
+@pytest.mark.parametrize("text, value", [("64", 64), ("1", 1), ("2048", 2048)])
+def test_prefill_lengths_parse(text, value):
+    assert positive_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "64.0", "many", ""])
+def test_a_bad_prefill_length_is_refused_naming_it(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="positive integer") as err:
+        positive_int(text)
+    assert repr(text) in str(err.value)
+
+
+def test_the_gemm_configs_include_the_shipped_shape_and_long_prompt_blocks():
+    from inference.kernels import ops
+    assert (ops.GEMM_BLOCK_M, *ops.GEMM_TUNING) in GEMM_CONFIGS  # the sweep reports the shipped shape
+    assert max(block_m for block_m, _, _ in GEMM_CONFIGS) >= 64
