@@ -15,7 +15,10 @@
 #   (8) bench/dense_kernels.py (the decode step's GEMV, attention and router kernels against torch's,
 #   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile; before it
 #   (9) bench/gemv_sweep.py (the experts' GEMV and grouped GEMM per launch shape, types
-#   $GPU_HOTPATH_GEMV_TYPES, default Q4_K MXFP4) into gemv_sweep.json.
+#   $GPU_HOTPATH_GEMV_TYPES, default Q4_K MXFP4, more arguments in $GPU_HOTPATH_GEMV_ARGS, e.g.
+#   "--no-gemv --gemm-tokens 64 512 2048") into gemv_sweep.json; with GPU_HOTPATH_GEMV_BASELINE=DIR
+#   (an older tree extracted in the working tree, e.g. `mkdir base && git archive REV | tar -x -C base`),
+#   the same sweep over DIR's kernels into gemv_sweep-baseline.json: the ratio within one call.
 #   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no CPU kernels
 #   bench; GPU_HOTPATH_GEMV_S=0: no experts sweep).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
@@ -81,8 +84,17 @@ fi
 if [[ "${GPU_HOTPATH_GEMV_S:-120}" != 0 ]]; then
 echo "=== experts GEMV and grouped GEMM launch shapes"
 timeout --kill-after=10 "${GPU_HOTPATH_GEMV_S:-120}" python3 bench/gemv_sweep.py --types ${GPU_HOTPATH_GEMV_TYPES:-Q4_K MXFP4} \
-    --json "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/logs/gemv_sweep.log" | grep -E "GEMV|GEMM|best"
+    ${GPU_HOTPATH_GEMV_ARGS:-} --json "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/logs/gemv_sweep.log" | grep -E "GEMV|GEMM|best|shipped"
 ((PIPESTATUS[0] != 0)) && failed=1
+if [[ -n "${GPU_HOTPATH_GEMV_BASELINE:-}" ]]; then
+    # the same sweep (this tree's script) over the kernels of an older tree carried beside this one
+    echo "=== the same sweep over the kernels of $GPU_HOTPATH_GEMV_BASELINE"
+    cp bench/gemv_sweep.py "$GPU_HOTPATH_GEMV_BASELINE/bench/gemv_sweep.py"
+    (cd "$GPU_HOTPATH_GEMV_BASELINE" && PYTHONPATH="$SITE:$PWD" timeout --kill-after=10 "${GPU_HOTPATH_GEMV_S:-120}" \
+        python3 bench/gemv_sweep.py --types ${GPU_HOTPATH_GEMV_TYPES:-Q4_K MXFP4} ${GPU_HOTPATH_GEMV_ARGS:-} \
+        --json "$OUT/gemv_sweep-baseline.json") 2>&1 | tee "$OUT/logs/gemv_sweep-baseline.log" | grep -E "GEMV|GEMM|best|shipped"
+    ((PIPESTATUS[0] != 0)) && failed=1
+fi
 fi
 
 if [[ "${GPU_HOTPATH_DENSE_S:-150}" != 0 ]]; then
