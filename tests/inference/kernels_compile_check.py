@@ -61,6 +61,12 @@ def variants():
             yield (f"moe_gemm_kernel type {code} {'parts' if split else 'whole'}", mt.moe_gemm_kernel, GEMM,
                    dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=1, INTERP=False,
                         SPLIT=split, PARTS=GEMM_PARTS[code]))
+        if code == 11:  # float16 and float32 models: the other roundings of the dot's operand
+            for wr, dtype in ((2, "*fp16"), (0, "*fp32")):
+                yield (f"moe_gemm_kernel type {code} rounding {wr}", mt.moe_gemm_kernel,
+                       {**GEMM, "x_ptr": dtype, "out_ptr": dtype},
+                       dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=wr,
+                            INTERP=False, SPLIT=True, PARTS=GEMM_PARTS[code]))
         yield (f"moe_gemv_kernel type {code}", mt.moe_gemv_kernel, GEMV,
                dict(QT=code, NB=blocks, RANK=rank, BLOCK_N=4, WR=1, INTERP=False, TOP_K=8, X_PER_PAIR=False,
                     COUNT_MISSES=True))
