@@ -15,6 +15,9 @@
                     bytes and time
   storaged_copy_up  storaged as above, but host-tier experts copied up to VRAM by an Acquire (the daemon's
                     promotion) rather than read in place over the link (inference.experts.host_reads)
+  storaged_io4      storaged as above with io_parallelism 4 (the daemon's default) rather than 16: this
+                    disk reads 2.7 MB objects fastest with four in flight (bench/disk_probe.py), and a
+                    budget below the working set is bound by its reads
   storaged_serial   storaged with io_parallelism 1, no host tier, no lookahead, one acquire per layer:
                     the published SGLang design's serial miss path
   llamacpp          llama.cpp's llama-bench on the same GGUF, -ngl 99 plus --n-cpu-moe for the layers whose
@@ -64,6 +67,7 @@ STORAGED_VARIANTS = {
     "storaged_preload_cpu": StoragedVariant(preload=True, cpu_experts=True),
     "storaged_no_lookahead": StoragedVariant(lookahead=False),
     "storaged_copy_up": StoragedVariant(host_reads=False),
+    "storaged_io4": StoragedVariant(io_parallelism=4),
     "storaged_serial": StoragedVariant(io_parallelism=1, host_tier=False, fast_path=False, lookahead=False,
                                        host_reads=False),
 }

@@ -34,11 +34,12 @@ PREPARE_SHARE = 0.35  # of the whole budget, split between the shapes
 # time shares: accelerate's disk offload is the slowest per token, resident the fastest
 # (storaged gets a full share: with balanced routing its low budgets are disk-bound too)
 CONTENDER_WEIGHT = {"resident": 0.5, "accelerate": 1.5, "gguf_mmap": 1.0, "storaged": 1.0, "storaged_preload": 1.0,
-                    "storaged_preload_cpu": 1.0, "storaged_no_lookahead": 1.0, "storaged_copy_up": 1.0, "storaged_serial": 1.0, "llamacpp": 1.0}
+                    "storaged_preload_cpu": 1.0, "storaged_no_lookahead": 1.0, "storaged_copy_up": 1.0, "storaged_io4": 1.0, "storaged_serial": 1.0,
+                    "llamacpp": 1.0}
 # run order: a contender's share is of the time left, so the slowest goes last and gets what the
 # faster ones did not use
 RUN_ORDER = ("resident", "storaged", "storaged_preload", "storaged_preload_cpu", "storaged_no_lookahead",
-             "storaged_copy_up", "storaged_serial", "llamacpp", "gguf_mmap", "accelerate")
+             "storaged_copy_up", "storaged_io4", "storaged_serial", "llamacpp", "gguf_mmap", "accelerate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

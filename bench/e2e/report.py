@@ -66,9 +66,10 @@ def markdown(results: dict) -> str:
 BASELINES = ("storaged_serial", "gguf_mmap", "accelerate", "llamacpp")
 
 
-# the storaged variants each baseline is compared with: as started cold, and as an operator's
-# restarted daemon with preload = true serves (timed once its preload ended)
-RATIO_VARIANTS = ("storaged", "storaged_preload", "storaged_preload_cpu")
+# the storaged variants each baseline is compared with: as started cold, as an operator's
+# restarted daemon with preload = true serves (timed once its preload ended), and with the
+# daemon's default reads in flight (4, not 16)
+RATIO_VARIANTS = ("storaged", "storaged_preload", "storaged_preload_cpu", "storaged_io4")
 
 
 def ratio_lines(runs: list[dict]) -> list[str]:

@@ -193,10 +193,10 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     for kb in range(0, nblk, NB):
         if SPLIT:  # the step in parts: smaller tiles, fewer live registers
             for part in tl.static_range(PARTS):
-                w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, True, part)
+                w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, INTERP, part)
                 acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
         else:
-            w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, True)  # [BN, BK], [BK]
+            w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, INTERP)  # [BN, BK], [BK]
             acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
     out = qd.round_weights(acc, WR, INTERP)
     tl.store(out_ptr + s[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),

@@ -33,16 +33,16 @@ def _join2(a, ka, b, kb_, BN: tl.constexpr):
 
 @triton.jit
 def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl.constexpr, WR: tl.constexpr,
-                BITWISE: tl.constexpr):
-    """(weights [BN, BK] float32 holding model-dtype values, their columns [BK] int32, columns
-    that exist [BK]). row: [BN, 1] uint8 pointers to each weight row; kb: the step's first block;
-    BITWISE: round to the model dtype on the bits (quant_dot.round_weights)."""
-    INTERP = BITWISE
+                INTERP: tl.constexpr):
+    """(weights [BN, BK] float32 (holding model-dtype values unless WR is 0), their columns [BK]
+    int32, columns that exist [BK]). row: [BN, 1] uint8 pointers to each weight row; kb: the
+    step's first block; INTERP: run by triton's interpreter (rounding on the bits, as
+    quant_dot.round_weights does there, and no inline instructions)."""
     if QT <= 2:
         w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
         return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
     elif QT <= 8:
-        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB)  # [BN, NB, 16] x2
+        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB, INTERP)  # [BN, NB, 16] x2
         w = tl.join(qd.round_weights(low, WR, INTERP), qd.round_weights(high, WR, INTERP))  # [BN, NB, 16, 2]
         k = tl.join(xoff, xoff + 16)  # [1, NB, 16, 2]
         valid = tl.broadcast_to(xmask, xoff.shape)
@@ -97,15 +97,14 @@ def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
 
 @triton.jit
 def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl.constexpr, WR: tl.constexpr,
-                BITWISE: tl.constexpr, PART: tl.constexpr):
+                INTERP: tl.constexpr, PART: tl.constexpr):
     """Part PART of weight_tile's step (ops.GEMM_PARTS[QT] of them, together its columns): a smaller
     tile ([BN, BK / parts]) for fewer live registers, with its columns and their validity."""
-    INTERP = BITWISE
     if QT <= 2:
         w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
         return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
     elif QT <= 8:
-        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB)  # [BN, NB, 16] x2
+        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB, INTERP)  # [BN, NB, 16] x2
         valid = tl.reshape(tl.broadcast_to(xmask, xoff.shape), (NB * 16,))
         if PART == 0:
             w, k = _flat(qd.round_weights(low, WR, INTERP), xoff, BN, NB * 16)

@@ -59,13 +59,13 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
     by_key = {(r["shape"], r["contender"], r["budget_fraction"]): r for r in runs if "token_ids" in r}
     for shape in TINY_SHAPES.values():  # same weights, same greedy tokens (float32 on CPU)
         reference = by_key[(shape.name, "gguf_mmap", 1.0)]["token_ids"]
-        for contender in ("storaged", "storaged_preload", "storaged_no_lookahead", "storaged_copy_up", "storaged_serial",
-                          "resident"):
+        for contender in ("storaged", "storaged_preload", "storaged_no_lookahead", "storaged_copy_up", "storaged_io4",
+                          "storaged_serial", "resident"):
             got = by_key[(shape.name, contender, 1.0)]["token_ids"]
             common = min(len(got), len(reference))  # a run may stop a token early at its deadline
             assert got[:common] == reference[:common], contender
         # 25%: 4 slots, a layer's 8 experts in groups
-        for contender in ("storaged", "storaged_preload", "storaged_copy_up", "storaged_serial"):
+        for contender in ("storaged", "storaged_preload", "storaged_copy_up", "storaged_io4", "storaged_serial"):
             run = by_key[(shape.name, contender, 0.25)]
             assert any("once it had ended" in note for note in run["notes"]) == (contender == "storaged_preload")
             assert not any("arena raised" in note for note in run["notes"]), run["notes"]
