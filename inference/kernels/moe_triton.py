@@ -93,7 +93,10 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     # rows past N read row N - 1 (their sums are not stored), so no load needs a row mask: a
     # constant-true mask compiles to unpredicated loads
     n64 = tl.minimum(n, N - 1).to(tl.int64)
-    row_offset = tl.where(n64 < n_split, off1 + n64 * row_bytes, off2 + (n64 - n_split) * row_bytes)  # bytes
+    # the second role's rows by arithmetic, as in moe_gemm_kernel: the offsets keep their 16-byte
+    # divisibility, so the packed bytes of Q4_K, Q5_K (and Q2_K's 4) load as vectors
+    second = (n64 >= n_split).to(tl.int64)  # [BN] 1 for the second role's rows
+    row_offset = off1 + n64 * row_bytes + second * (off2 - off1 - n_split * row_bytes.to(tl.int64))  # [BN] bytes
     row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     x_row = x_ptr + token * x_stride
     rmask = tl.full([BLOCK_N, 1], 1, tl.int1)
@@ -179,7 +182,7 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     n64 = n.to(tl.int64)
     # the second role's rows by arithmetic, not a select over the rows: triton keeps the offsets'
     # 16-byte divisibility through it (not through a select), so a row's packed bytes load as
-    # 16-byte vectors where the launch's offsets allow (Q4_K, Q5_K: a third of the loop's instructions)
+    # vectors where the launch's offsets allow (16 bytes for Q4_K and Q5_K)
     second = (n64 >= n_split).to(tl.int64)  # [BN] 1 for the second role's rows
     row_offset = off1 + n64 * row_bytes + second * (off2 - off1 - n_split * row_bytes.to(tl.int64))  # [BN] bytes
     base = tl.where(slot >= host_first, host_delta + (slot - host_first) * slot_bytes, slot * slot_bytes)  # bytes
