@@ -254,8 +254,11 @@ def test_build_paused_stops_every_process_of_the_build_session_and_continues_the
     session_file, status = tmp_path / "llamacpp-build.session", tmp_path / "llamacpp-build.status"
     monkeypatch.setenv(BUILD_STATUS_ENV, str(status))
     monkeypatch.setenv(BUILD_SESSION_ENV, str(session_file))
-    # a stand-in for build.sh: a session leader and children in process groups of their own, as ninja's
-    build = subprocess.Popen(["setsid", "bash", "-c", f'echo $$ > {session_file}; set -m; sleep 60 & sleep 60 & wait'])
+    # a stand-in for build.sh: a session leader and children in process groups of their own, as
+    # ninja's. The leader execs a sleep rather than `wait`, which can return (and end the leader)
+    # when its stopped children report, and every sleep outlasts a slow machine's test
+    build = subprocess.Popen(["setsid", "bash", "-c",
+                              f'echo $$ > {session_file}; set -m; sleep 600 & sleep 600 & exec sleep 600'])
     try:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (not session_file.exists() or
