@@ -74,16 +74,16 @@ def test_matrix_runs_every_contender_on_cpu(disk_dir):
     assert [r for r in runs if r["contender"] == "resident" and r["budget_fraction"] == 1.0][0].get("tokens")
     markdown = (out / "results.md").read_text()
     matrix, ratios = markdown.split("## Decode speed ratios")
-    assert "| shape | contender |" in matrix and matrix.count("| Qwen3-30B-A3B-like (tiny) |") == 19
+    assert "| shape | contender |" in matrix and matrix.count("| Qwen3-30B-A3B-like (tiny) |") == 21
     for run in (r for r in runs if r["contender"] == "storaged_preload_cpu"):  # CPU experts need CUDA
         assert "no CUDA here" in run["skipped"], run
     # storaged over each baseline at both budgets; accelerate and resident figures where they ran; the
     # storaged ÷ llama.cpp table where llama.cpp ran (a CPU build of it is present)
     llamacpp_ran = [r for r in runs if r["contender"] == "llamacpp" and "decode_tok_s" in r
                     and r["shape"] == "Qwen3-30B-A3B-like (tiny)"]
-    # storaged and storaged_preload in each ratio table; + the lookahead table: storaged with hints
-    # against storaged without, at both budgets
-    assert ratios.count("| Qwen3-30B-A3B-like (tiny) |") == 4 + 2 * len(llamacpp_ran) + 2 and "×" in ratios
+    # storaged, storaged_preload and storaged_io4 in each ratio table; + the lookahead table:
+    # storaged with hints against storaged without, at both budgets
+    assert ratios.count("| Qwen3-30B-A3B-like (tiny) |") == 6 + 3 * len(llamacpp_ran) + 2 and "×" in ratios
     assert "### Lookahead hints" in ratios
     assert any("host RAM" in s for s in results["statements"])
 
