@@ -162,7 +162,8 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     activation in sorted order). The weight tile of each step is dequantized once for all of the
     block's pairs (tensor-core dot); rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
     SPLIT: each step dequantized in PARTS parts (ops.GEMM_PARTS[QT]) rather than whole. A slot >=
-    host_first is a host tier slot, read in place as in moe_gemv_kernel.
+    host_first is a host tier slot, read in place as in moe_gemv_kernel. The weights are rounded to
+    the model dtype once, as the dot's operand (quant_dot.to_model_dtype).
     """
     b = tl.program_id(0)
     count = tl.load(blocks_ptr + 3 * b + 2)

@@ -25,6 +25,9 @@ A weight row's K elements are split into blocks; elements are visited in a permu
 follows the packed bytes, and the activations are loaded at the same element indices, so the
 dot product needs no reordering of the values. Kernels using these must be launched with
 enable_fp_fusion=False so the dequantization rounds like gguf-py (see inference.dequant).
+Compiled (not INTERP), MXFP4's codes, which its 17-byte blocks put at every alignment, are read as
+the aligned 4-byte words around them (`load_run16`); the grouped GEMM rounds its operand with
+`to_model_dtype`.
 """
 
 from __future__ import annotations
