@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
