@@ -1,9 +1,10 @@
 """What the experts' kernels compile to on sm_90, without a GPU: the SASS of their main loop per type.
 
-The GEMV is bound by the instructions it issues (docs/benchmarks.md, twelfth run), and so is the
-prefill's grouped GEMM, whose tensor cores wait on the CUDA cores that dequantize their operand: the
-count of instructions in the loop over a row's blocks, per weight a thread handles, is a cheap first
-check of a kernel change before the device measures it. The kernel is compiled with triton's own
+The prefill's grouped GEMM is bound by the CUDA cores that dequantize its tensor cores' operand, and
+the GEMV spends ~10 instructions a weight (docs/benchmarks.md, twelfth run): the count of
+instructions in the loop over a row's blocks, per weight a thread handles, is a cheap first check of
+a kernel change before the device measures it. For the GEMV it is only that: its speed follows its
+launch shape more than this count (at 4 x 1 the longer loop was the faster on the H200). The kernel is compiled with triton's own
 compiler and disassembler (the ones its wheel carries), with the launch's integer arguments marked
 16-divisible as a real launch specializes them.
 
