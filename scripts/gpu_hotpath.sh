@@ -12,6 +12,9 @@
 #   (7) with PROFILE_WAIT_BASELINE=1, the profile runs again with --wait-each-step (each step waited
 #   for before its token is picked: the baseline of decoding one token ahead) into profile-wait.json.
 #   PROFILE_BASELINE_ARGS="--no-dense-kernels" runs it again with those flags into profile-baseline.json.
+#   GPU_HOTPATH_PROFILE_BASELINE_TREE=DIR (an older tree extracted in the working tree) runs the profile
+#   again over DIR's code into profile-tree-baseline.json, with --modes $GPU_HOTPATH_PROFILE_BASELINE_MODES
+#   when set (a later --modes overrides PROFILE_ARGS's): old against new within one call.
 #   (8) bench/dense_kernels.py (the decode step's GEMV, attention and router kernels against torch's,
 #   --sweep of the GEMV's launch shapes) into dense_kernels.json, before the profile; before it
 #   (9) bench/gemv_sweep.py (the experts' GEMV and grouped GEMM per launch shape, types
@@ -40,7 +43,10 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 LLAMA_BIN=""
 if [[ -f .llamacpp/llama.cpp-src.tar.gz || -d .llamacpp/pack ]]; then
-    (nice -n 10 bench/llamacpp/build.sh --jobs "${GPU_HOTPATH_LLAMA_JOBS:-10}" --out "$OUT/llamacpp" \
+    # Binaries carried in .llamacpp/pack are only reassembled; a fresh build is packed into
+    # $OUT/llamacpp for the next call to carry.
+    PACK_OUT=(--out "$OUT/llamacpp"); [[ -f .llamacpp/pack/REASSEMBLE.txt ]] && PACK_OUT=()
+    (nice -n 10 bench/llamacpp/build.sh --jobs "${GPU_HOTPATH_LLAMA_JOBS:-10}" "${PACK_OUT[@]}" \
         > "$OUT/logs/llamacpp-build.log" 2>&1; echo $? > /tmp/llamacpp-build.rc) &
     LLAMA_PID=$!
 fi
@@ -122,6 +128,16 @@ if [[ -n "${PROFILE_BASELINE_ARGS:-}" ]]; then
     echo "=== profile, baseline ($PROFILE_BASELINE_ARGS)"
     timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" python3 bench/layer_profile.py --device cuda $PROFILE_BASELINE_ARGS \
         --out "$OUT/profile-baseline.json" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/logs/profile-baseline.log" | tail -20
+    ((PIPESTATUS[0] != 0)) && failed=1
+fi
+if [[ -n "${GPU_HOTPATH_PROFILE_BASELINE_TREE:-}" ]]; then
+    # The same profile over an older tree's code (llama.cpp left out: it ran above), reusing the
+    # GGUF and pack that the first profile wrote to the same --workdir.
+    echo "=== profile over the code of $GPU_HOTPATH_PROFILE_BASELINE_TREE"
+    (cd "$GPU_HOTPATH_PROFILE_BASELINE_TREE" && PYTHONPATH="$SITE:$PWD" timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" \
+        python3 bench/layer_profile.py --device cuda --out "$OUT/profile-tree-baseline.json" ${PROFILE_ARGS:-} \
+        ${GPU_HOTPATH_PROFILE_BASELINE_MODES:+--modes $GPU_HOTPATH_PROFILE_BASELINE_MODES}) 2>&1 \
+        | tee "$OUT/logs/profile-tree-baseline.log" | tail -20
     ((PIPESTATUS[0] != 0)) && failed=1
 fi
 [[ -f /tmp/pyspy.txt ]] && gzip -c /tmp/pyspy.txt > "$OUT/pyspy.txt.gz"
