@@ -4,7 +4,13 @@
 #
 # Usage: bench/llamacpp/build.sh [--cpu] [--jobs N] [--nice N] [--src TARBALL] [--bin-dir DIR]
 #                                [--pack-dir DIR] [--work DIR] [--log FILE] [--out DIR] [--force]
+#                                [--cuda-root DIR]
+#                                [--cuda-root DIR]
 #   --cpu       build without CUDA (default: CUDA for sm_90, the H200)
+#   --cuda-root DIR  build the CUDA flavour with the toolkit in DIR (cuda_toolkit.sh assembles one
+#               from PyPI wheels), on a machine without a GPU: the binary finds the CUDA libraries
+#               in the GPU machine's /usr/local/cuda through its RUNPATH, and cannot be run (--help)
+#               until it is there; pack it with --out and carry it in .llamacpp/pack
 #   --jobs N    parallel compile jobs (default: nproc)
 #   --nice N    run the build at this niceness (default 0; e.g. 19 while a benchmark runs)
 #   --src       source tarball (default .llamacpp/llama.cpp-src.tar.gz)
@@ -33,6 +39,9 @@ WORK=""
 LOG=""
 OUT=""
 FORCE=0
+CUDA_ROOT=""
+# Where the GPU machine keeps libcudart.so.13 and libcublas.so.13 (its toolkit's).
+MACHINE_CUDA_LIBS=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib
 TARGETS=(llama-bench)
 PIECE_BYTES=$((15 * 1024 * 1024))
 PACK_NAME=llamacpp-bin.tar.xz
@@ -43,6 +52,7 @@ need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "option $1 needs a value (see 
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) FLAVOUR=cpu; shift ;;
+        --cuda-root) need_value "$@"; CUDA_ROOT="$2"; shift 2 ;;
         --jobs) need_value "$@"; JOBS="$2"; shift 2 ;;
         --nice) need_value "$@"; NICE="$2"; shift 2 ;;
         --src) need_value "$@"; SRC="$2"; shift 2 ;;
@@ -52,13 +62,18 @@ while [ $# -gt 0 ]; do
         --log) need_value "$@"; LOG="$2"; shift 2 ;;
         --out) need_value "$@"; OUT="$2"; shift 2 ;;
         --force) FORCE=1; shift ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die "--jobs must be a positive integer, got '$JOBS'"
 [[ "$NICE" =~ ^-?[0-9]+$ ]] && [ "$NICE" -ge -20 ] && [ "$NICE" -le 19 ] \
     || die "--nice must be an integer in -20..19, got '$NICE'"
+if [ -n "$CUDA_ROOT" ]; then
+    [ "$FLAVOUR" = cuda ] || die "--cuda-root builds the CUDA flavour; it cannot go with --cpu"
+    [ -x "$CUDA_ROOT/bin/nvcc" ] || die "--cuda-root '$CUDA_ROOT' has no bin/nvcc (make one with bench/llamacpp/cuda_toolkit.sh)"
+    CUDA_ROOT="$(cd "$CUDA_ROOT" && pwd)"
+fi
 WORK="${WORK:-/tmp/llamacpp-build-$FLAVOUR}"
 LOG="${LOG:-$ROOT/.llamacpp/build-$FLAVOUR.log}"
 mkdir -p "$(dirname "$LOG")" "$BIN_DIR"
@@ -78,6 +93,10 @@ usable() {
     [ -x "$bin" ] || return 1
     grep -qx "flavour=$FLAVOUR" "$BIN_DIR/BUILD_INFO" 2>/dev/null \
         || { log "$bin is not a $FLAVOUR build ($(grep '^flavour=' "$BIN_DIR/BUILD_INFO" 2>/dev/null || echo 'no BUILD_INFO'))"; return 1; }
+    if [ -n "$CUDA_ROOT" ]; then
+        log "$bin cannot start here (no GPU driver): built against $CUDA_ROOT, it runs where $MACHINE_CUDA_LIBS holds CUDA 13"
+        return 0
+    fi
     "$bin" --help >/dev/null 2>>"$LOG" || { log "$bin --help failed (missing libraries?)"; return 1; }
 }
 
@@ -103,6 +122,12 @@ build() {
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
     )
+    if [ -n "$CUDA_ROOT" ]; then
+        export PATH="$CUDA_ROOT/bin:$PATH"
+        # The toolkit's directory means nothing on the GPU machine: no build RPATH, the machine's instead.
+        cmake_flags+=(-DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc" -DCUDAToolkit_ROOT="$CUDA_ROOT"
+                      -DCMAKE_SKIP_BUILD_RPATH=ON -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath,$MACHINE_CUDA_LIBS")
+    fi
     if [ "$FLAVOUR" = cuda ]; then
         command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || fail "nvcc not found (use --cpu for a CPU build)"
         command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
@@ -136,6 +161,7 @@ build() {
         echo "source=$(sed -n 2p "$src/LLAMACPP_COMMIT" 2>/dev/null)"
         echo "compiler=$(gcc --version | head -1)"
         [ "$FLAVOUR" = cpu ] || echo "nvcc=$(nvcc --version | tail -1)"
+        [ -z "$CUDA_ROOT" ] || echo "cuda_root=$CUDA_ROOT (built without a GPU; RUNPATH $MACHINE_CUDA_LIBS)"
         echo "cmake=${cmake_flags[*]}"
         echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
     } > "$BIN_DIR/BUILD_INFO"

@@ -37,10 +37,37 @@ def fake_binary(directory: Path, flavour: str = "cpu", help_status: int = 0) -> 
     (["--nice", "20"], "--nice must be an integer in -20..19, got '20'"),
     (["--frobnicate"], "unknown argument '--frobnicate'"),
     (["--out"], "option --out needs a value"),
+    (["--cuda-root", "/nonexistent"], "--cuda-root '/nonexistent' has no bin/nvcc"),
 ])
 def test_bad_arguments_are_refused_by_name(tmp_path, args, message):
     done = build(tmp_path, *args)
     assert done.returncode != 0 and message in done.stderr
+
+
+def fake_cuda_root(directory: Path) -> Path:
+    (directory / "bin").mkdir(parents=True)
+    (directory / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    (directory / "bin" / "nvcc").chmod(0o755)
+    return directory
+
+
+def test_cuda_root_is_refused_with_the_cpu_flavour(tmp_path):
+    done = build(tmp_path, "--cpu", "--cuda-root", str(fake_cuda_root(tmp_path / "cuda")))
+    assert done.returncode != 0 and "--cuda-root builds the CUDA flavour; it cannot go with --cpu" in done.stderr
+
+
+def test_a_cuda_build_made_without_a_gpu_is_packed_without_being_run(tmp_path):
+    # --help would fail here (no driver): with --cuda-root the binary is taken as built and packed
+    fake_binary(tmp_path / "bin", "cuda", help_status=1)
+    out = tmp_path / "out"
+    done = build(tmp_path, "--cuda-root", str(fake_cuda_root(tmp_path / "cuda")), "--bin-dir", str(tmp_path / "bin"),
+                 "--pack-dir", str(tmp_path / "none"), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "cannot start here (no GPU driver)" in (tmp_path / "build.log").read_text()
+    assert (out / "llamacpp-bin.tar.xz.part-00").exists()
+    # where it is reassembled without --cuda-root (the GPU machine) it must start
+    done = build(tmp_path, "--bin-dir", str(tmp_path / "copy"), "--pack-dir", str(out))
+    assert done.returncode == 1 and "--help failed" in done.stderr
 
 
 def test_a_carried_binary_of_the_right_flavour_is_reused(tmp_path):
