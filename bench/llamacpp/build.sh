@@ -131,8 +131,10 @@ build() {
     if [ "$FLAVOUR" = cuda ]; then
         command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || fail "nvcc not found (use --cpu for a CPU build)"
         command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
-        # One GPU: NCCL would only add a dependency.
-        cmake_flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF)
+        # One GPU: NCCL would only add a dependency. 90-real: sm_90 machine code alone, without the
+        # compute_90 PTX that "90" embeds for JIT on other GPUs (the same kernels on the H200/H100,
+        # and a binary small enough to carry).
+        cmake_flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_NCCL=OFF)
     else
         cmake_flags+=(-DGGML_CUDA=OFF)
     fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Assembles a CUDA 13.0 toolkit from NVIDIA's PyPI wheels on a machine without a GPU, so that
 # build.sh --cuda-root can build the CUDA llama-bench here rather than on the GPU machine, whose
-# time is scarce (a 12-job build there takes about 5 minutes; 2 cores here about 28).
+# time is scarce (a 12-job build there takes about 5 minutes; 2 cores here 25).
 #
 # Usage: bench/llamacpp/cuda_toolkit.sh [--dir DIR] [--wheels DIR]
 #   --dir     where the toolkit goes (default .llamacpp/cuda-13.0)
