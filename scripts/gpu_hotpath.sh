@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The hot path on a GPU machine in one call: correctness of the fast path, then where a decode step's
 # time goes for storaged (graph and eager), the resident model and llama.cpp on the same GGUF.
-#   (1) carried wheels (.whl/) into /tmp/site; (2) llama.cpp built in the background when its source
-#   is carried (.llamacpp/, bench/llamacpp/pack_source.sh), its binary packed into $OUT/llamacpp for
-#   reuse; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
+#   (1) carried wheels (.whl/) into /tmp/site; (2) llama.cpp: binaries carried in .llamacpp/pack
+#   (bench/llamacpp/build.sh --cuda-root builds them without a GPU) reassembled, else built in the
+#   background from its carried source (bench/llamacpp/pack_source.sh) and packed into $OUT/llamacpp; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
 #   (6) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
 #   (scripts/moe_coverage.py --device cuda [--types $GPU_HOTPATH_COVERAGE_TYPES]; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
