@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "bench" / "llamacpp" / "build.sh"
 PACK_SOURCE = REPO / "bench" / "llamacpp" / "pack_source.sh"
+CUDA_TOOLKIT = REPO / "bench" / "llamacpp" / "cuda_toolkit.sh"
 SDIST = Path("/tmp/llama/llama_cpp_python-0.3.36.tar.gz")
 
 
@@ -116,6 +117,16 @@ def test_damaged_pieces_are_not_used(tmp_path):
     done = build(tmp_path, "--cpu", "--bin-dir", str(tmp_path / "copy"), "--pack-dir", str(out))
     assert done.returncode == 1
     assert "do not match their sha256" in done.stderr and not (tmp_path / "copy" / "llama-bench").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+    (["--dir"], "option --dir needs a value"),
+    (["--wheels"], "option --wheels needs a value"),
+])
+def test_cuda_toolkit_refuses_bad_arguments_by_name(args, message):
+    done = subprocess.run(["bash", str(CUDA_TOOLKIT), *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and message in done.stderr
 
 
 def test_pack_source_names_a_missing_sdist(tmp_path):
