@@ -3,7 +3,8 @@
 # time goes for storaged (graph and eager), the resident model and llama.cpp on the same GGUF.
 #   (1) carried wheels (.whl/) into /tmp/site; (2) llama.cpp: binaries carried in .llamacpp/pack
 #   (bench/llamacpp/build.sh --cuda-root builds them without a GPU) reassembled, else built in the
-#   background from its carried source (bench/llamacpp/pack_source.sh) and packed into $OUT/llamacpp; (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
+#   background from its carried source (bench/llamacpp/pack_source.sh) and packed into $OUT/llamacpp;
+#   (3) the fast path's tests on the GPU; (4) bench/layer_profile.py on the Qwen3-like shape.
 # Logs and JSON land in $OUT (default /tmp/gpu_hotpath); the table of (4) is printed last.
 #   (6) with GPU_HOTPATH_COVERAGE=1, the bf16 CUDA column of docs/inference.md's coverage table
 #   (scripts/moe_coverage.py --device cuda [--types $GPU_HOTPATH_COVERAGE_TYPES]; the JSON is copied to $OUT); with PROFILE_PYSPY=1 and a
@@ -131,8 +132,8 @@ if [[ -n "${PROFILE_BASELINE_ARGS:-}" ]]; then
     ((PIPESTATUS[0] != 0)) && failed=1
 fi
 if [[ -n "${GPU_HOTPATH_PROFILE_BASELINE_TREE:-}" ]]; then
-    # The same profile over an older tree's code (llama.cpp left out: it ran above), reusing the
-    # GGUF and pack that the first profile wrote to the same --workdir.
+    # The same profile over an older tree's code, reusing the GGUF and pack that the first profile
+    # wrote to the same --workdir; _MODES can leave out llamacpp, which no tree changes.
     echo "=== profile over the code of $GPU_HOTPATH_PROFILE_BASELINE_TREE"
     (cd "$GPU_HOTPATH_PROFILE_BASELINE_TREE" && PYTHONPATH="$SITE:$PWD" timeout --kill-after=10 "${GPU_HOTPATH_PROFILE_S:-300}" \
         python3 bench/layer_profile.py --device cuda --out "$OUT/profile-tree-baseline.json" ${PROFILE_ARGS:-} \

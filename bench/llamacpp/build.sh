@@ -5,7 +5,6 @@
 # Usage: bench/llamacpp/build.sh [--cpu] [--jobs N] [--nice N] [--src TARBALL] [--bin-dir DIR]
 #                                [--pack-dir DIR] [--work DIR] [--log FILE] [--out DIR] [--force]
 #                                [--cuda-root DIR]
-#                                [--cuda-root DIR]
 #   --cpu       build without CUDA (default: CUDA for sm_90, the H200)
 #   --cuda-root DIR  build the CUDA flavour with the toolkit in DIR (cuda_toolkit.sh assembles one
 #               from PyPI wheels), on a machine without a GPU: the binary finds the CUDA libraries
@@ -62,7 +61,7 @@ while [ $# -gt 0 ]; do
         --log) need_value "$@"; LOG="$2"; shift 2 ;;
         --out) need_value "$@"; OUT="$2"; shift 2 ;;
         --force) FORCE=1; shift ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
