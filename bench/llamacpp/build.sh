@@ -24,7 +24,8 @@
 #   --force     build even when a usable binary or pack is present
 # Meant to run in the background while other work uses the machine:
 #   bench/llamacpp/build.sh --nice 10 --jobs 12 --out "$OUT/llamacpp" &
-# Exit status 0 only when --bin-dir/llama-bench runs (`--help`) and matches the flavour.
+# Exit status 0 only when --bin-dir/llama-bench runs (`--help`; with --cuda-root, where it cannot,
+# when it was built) and matches the flavour.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -61,7 +62,7 @@ while [ $# -gt 0 ]; do
         --log) need_value "$@"; LOG="$2"; shift 2 ;;
         --out) need_value "$@"; OUT="$2"; shift 2 ;;
         --force) FORCE=1; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
