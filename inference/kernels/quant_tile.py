@@ -42,7 +42,7 @@ def weight_tile(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
         return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
     elif QT <= 8:
-        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB, INTERP)  # [BN, NB, 16] x2
+        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB)  # [BN, NB, 16] x2
         w = tl.join(qd.round_weights(low, WR, INTERP), qd.round_weights(high, WR, INTERP))  # [BN, NB, 16, 2]
         k = tl.join(xoff, xoff + 16)  # [1, NB, 16, 2]
         valid = tl.broadcast_to(xmask, xoff.shape)
@@ -104,7 +104,7 @@ def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         w, k, kmask = qd.weights_float(row, kb, nblk, rmask, QT, NB, WR, INTERP)  # [BN, NB], [1, NB]
         return tl.reshape(w, (BN, NB)), tl.reshape(k, (NB,)), tl.reshape(kmask, (NB,))
     elif QT <= 8:
-        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB, INTERP)  # [BN, NB, 16] x2
+        low, high, xoff, xmask = qd.halves32(QT, row, kb, nblk, rmask, NB)  # [BN, NB, 16] x2
         valid = tl.reshape(tl.broadcast_to(xmask, xoff.shape), (NB * 16,))
         if PART == 0:
             w, k = _flat(qd.round_weights(low, WR, INTERP), xoff, BN, NB * 16)

@@ -88,14 +88,12 @@ def test_the_q4_k_gemm_compiles_with_vector_loads_and_one_conversion_per_two_wei
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["Q4_K", "MXFP4"])
-def test_the_gemv_reads_its_codes_wider_than_bytes(name, tmp_path):
-    """At the shipped 4 x 1, a thread's step covers 16 bytes of codes (4 rows of 256 weights, or of
-    8 MXFP4 blocks, over 32 threads): Q4_K's load as vectors (the row offsets keep their 16-byte
-    divisibility; through a select they did not: 80 byte loads with the scales'), MXFP4's 17-byte
-    blocks as the 4-byte words around them (quant_dot.load_run16; byte by byte: 19)."""
+def test_the_q4_k_gemv_reads_its_codes_wider_than_bytes(tmp_path):
+    """At the shipped 4 x 1, a thread's step covers 16 bytes of Q4_K codes (4 rows of 256 weights
+    over 32 threads): they load as vectors, since the row offsets keep their 16-byte divisibility
+    (through a select they did not: 80 byte loads with the scales')."""
     out = tmp_path / "sass.json"
-    run = run_tool("--types", name, "--shapes", "4x1", "--json", str(out))
+    run = run_tool("--types", "Q4_K", "--shapes", "4x1", "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert 0 < row["global_loads"] < 16, row
