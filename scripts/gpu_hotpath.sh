@@ -54,6 +54,9 @@ fi
 
 if [[ "${GPU_HOTPATH_TESTS_S:-200}" != 0 ]]; then
 echo "=== GPU tests of the fast path"
+# tests/inference's conftest imports the server fixtures, which import openai: the GPU image has none
+python3 -c "import openai" 2>/dev/null || echo "GPU tests: openai is not importable; carry it and its dependencies in .whl/" \
+    "(pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl openai)"
 timeout --kill-after=10 "${GPU_HOTPATH_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     ${GPU_HOTPATH_TESTS:-tests/inference/test_fused_experts.py tests/inference/test_dense_kernels.py tests/inference/test_decode_graph.py tests/inference/test_piecewise.py \
     tests/storaged/test_device_cuda.py tests/storaged/test_server_cuda.py \
