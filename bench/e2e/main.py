@@ -130,7 +130,8 @@ def run(args: argparse.Namespace, results: dict) -> None:
                         f"(less its own host cache: storaged's host tier) + {RAM_SLACK_BYTES // 2**20} MiB slack, so "
                         "no contender keeps more than the budget of experts in host RAM"),
         "every budget is a cold start: page cache dropped, fresh daemon / model; one untimed 2-token forward warms "
-        "kernels first",
+        "the decode's kernels first; the prefill's grouped GEMM is compiled (triton) by the first prefill that "
+        "needs it unless triton's cache already holds it, so the first such contender's prefill may include that",
         "experts from memory: 1 - objects storaged read from the pack while decoding ÷ routed experts (tokens × "
         "MoE layers × top-k), whichever tier served the rest (VRAM, or host RAM read in place or copied up)",
     ]
