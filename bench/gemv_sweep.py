@@ -222,13 +222,17 @@ def main(argv=None) -> int:
     parser.add_argument("--no-gemv", action="store_true", help="sweep the grouped GEMM only")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    results = [] if args.no_gemv else [sweep(name) for name in args.types]
+    # each sweep printed and kept as it ends: a call cut short by its time limit keeps what it measured
+    cases = [] if args.no_gemv else [lambda name=name: sweep(name) for name in args.types]
     # the shipped launch shape stays installed between prefill lengths: each sweep's best is reported
-    results += [gemm_sweep(name, tokens=tokens, install=False) for name in args.types for tokens in args.gemm_tokens]
-    for result in results:
-        print(gemm_report(result) if result.get("kind") == "gemm" else report(result))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    cases += [lambda name=name, tokens=tokens: gemm_sweep(name, tokens=tokens, install=False)
+              for name in args.types for tokens in args.gemm_tokens]
+    results = []
+    for case in cases:
+        results.append(case())
+        print(gemm_report(results[-1]) if results[-1].get("kind") == "gemm" else report(results[-1]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
