@@ -43,6 +43,7 @@ from inference.engine.compiled_layers import compiled_layers, why_not_compiled
 from inference.engine.decode_launch import MAX_BACKOFF_STEPS, LaunchAhead, LaunchedStep
 from inference.engine.piecewise import PiecewiseStep
 from inference.engine.prefill_graphs import PaddedPrefill, PrefillGraphs
+from inference.engine.static_cache import reset_cache
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, DeviceLookup, ExpertsBinding, expertpack_experts_forward
 from inference.experts.host_reads import reads_host_tier
@@ -259,7 +260,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
         self.abandon()  # a step the previous request launched ahead and never needed
         if self.capture and self._graph is None and self.lookup_enabled:
             self._capture()
-        self.cache.reset()
+        reset_cache(self.cache)
         self._skip = self._backoff = 0
         count = len(prompt_ids)
         if not 0 < count < self.max_len:
@@ -269,7 +270,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
             logits = self._lookup_prefill(prompt_ids)
             if logits is not None:
                 return logits
-            self.cache.reset()
+            reset_cache(self.cache)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
         positions = torch.arange(count, device=self.device).view(1, count)
         mask = self._kv_index <= positions.view(1, 1, count, 1)  # [1, 1, P, L] causal over the cache
@@ -371,7 +372,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
     def _capture(self) -> None:
         """Record one decode step as a CUDA graph (the cache allocated by a first call), then
         leave the cache empty."""
-        self.cache.reset()
+        reset_cache(self.cache)
         self._call(torch.zeros((1, 1), dtype=torch.long, device=self.device),
                    torch.zeros((1, 1), dtype=torch.long, device=self.device),
                    torch.ones((1, 1, 1, self.max_len), dtype=torch.bool, device=self.device))  # allocates the cache
@@ -384,7 +385,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
                 log.warning("compiling the decoder layers failed (%s: %s); the decode step is captured with eager "
                             "layers", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.compile_layers = False
-                self.cache.reset()
+                reset_cache(self.cache)
         if not self.compile_layers:
             self._graph, self._graph_logits = self._capture_graph(self._step_call)
         log.info("decode step captured as a CUDA graph (static cache of %d tokens%s)", self.max_len,
@@ -395,7 +396,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
     def _record_piecewise(self) -> None:
         """Record the acquire path's step as graphs split at the experts calls, with the layers
         the whole-step graph uses (already warm); eager steps where recording fails."""
-        self.cache.reset()
+        reset_cache(self.cache)
         piecewise = PiecewiseStep(self.device)
         try:
             with compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext():
@@ -404,7 +405,7 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
             log.warning("recording the piecewise decode step failed (%s: %s); steps on the acquire path run "
                         "eagerly", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             piecewise = None
-        self.cache.reset()
+        reset_cache(self.cache)
         self._piecewise = piecewise
         if piecewise is not None:
             log.info("acquire-path decode step recorded as %d CUDA graphs between %d experts calls",
@@ -419,16 +420,16 @@ class StaticDecoder(PrefillGraphs, LaunchAhead):
         try:
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.cache.reset()  # a prefill as long as the cache must not run past its end
+                    reset_cache(self.cache)  # a prefill as long as the cache must not run past its end
                     with self.fence.step():
                         call()
                         side.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            self.cache.reset()
+            reset_cache(self.cache)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = call()
         finally:
             self._set_lookup(False)
-        self.cache.reset()
+        reset_cache(self.cache)
         return graph, logits

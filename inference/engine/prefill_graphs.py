@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from inference.engine.static_cache import set_lengths
 from inference.experts.host_reads import host_tier_pairs
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,7 @@ class PrefillGraphs:
         if logits is None:
             self.redone_prefills += 1
             return None
-        for layer in self.cache.layers:  # the padding's keys stay past the length, masked, then overwritten
-            layer.cumulative_length.fill_(count)
+        set_lengths(self.cache, count)  # the padding's keys stay past the length, masked, then overwritten
         self.lookup_prefills += 1
         return logits
 
