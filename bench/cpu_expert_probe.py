@@ -10,11 +10,15 @@ thread count, beside a plain sum over the same bytes (the memory's ceiling for t
 
     python bench/cpu_expert_probe.py --threads 1 2 4 8 16 --json out.json
     python bench/cpu_expert_probe.py --gpu-link-load     # also while the GPU reads host memory in place
+    python bench/cpu_expert_probe.py --gpu-link-load --link-mode copy-engine   # or the copy engine does
 
 Both draw on the same host memory: with --gpu-link-load (CUDA) each thread count is timed again
 while a CUDA stream sums another registered host buffer over the link without pause, as the
 GPU's share of the host-tier experts would be read, and the link's rate during it is printed
 beside its rate alone: together, what splitting host-tier experts between the two could reach.
+`--link-mode copy-engine` keeps the copy engine moving a page-locked host buffer to VRAM instead
+(what a host agent copying the GPU's share of the experts ahead of its GEMV would draw on the same
+memory: 52.6 GB/s alone on the H200, against ~40 for the SMs' reads in place).
 
 The kernel's output is checked against gguf-py's dequantization and a float64 product first
 (exit status 1 when it is off by more than float32 rounding), so a fast wrong kernel never
@@ -155,16 +159,28 @@ def probe(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seconds: 
             "experts": experts, "rows": rows}
 
 
-class LinkLoad:
-    """`nbytes` of host memory registered with the device, which `running()` keeps the GPU reading
-    in place (a sum over it, again and again, on a stream of its own) for the block."""
+LINK_MODES = ("in-place", "copy-engine")
 
-    def __init__(self, nbytes: int):
+
+class LinkLoad:
+    """`nbytes` of host memory which `running()` keeps the GPU reading for the block, on a stream of
+    its own: in place (registered with the device, a sum over it again and again) or through the
+    copy engine (page-locked, copied to a VRAM buffer again and again)."""
+
+    def __init__(self, nbytes: int, mode: str = "in-place"):
         import torch
 
         from bench.host_read_probe import MappedView
         from storaged.device.cuda_driver import DriverApi
 
+        if mode not in LINK_MODES:
+            raise ValueError(f"link mode {mode!r}: expected one of {', '.join(LINK_MODES)}")
+        self.mode = mode
+        self._driver = self._words = self._vram = None
+        if mode == "copy-engine":  # page-locked by the allocator, so a non-blocking copy is one DMA
+            self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+            self._vram = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            return
         self._host = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # pages touched: real memory
         self._driver = DriverApi(torch.cuda.current_device())
         address = self._driver.register_mapped(self._host.data_ptr(), nbytes)
@@ -181,7 +197,10 @@ class LinkLoad:
             stream, moved, start = torch.cuda.Stream(), 0, time.perf_counter()
             with torch.cuda.stream(stream):
                 while not stop.is_set():
-                    self._words.sum()
+                    if self._vram is not None:
+                        self._vram.copy_(self._host, non_blocking=True)
+                    else:
+                        self._words.sum()
                     stream.synchronize()
                     moved += self._host.numel()
             rate["gbps"] = moved / (time.perf_counter() - start) / 1e9
@@ -198,14 +217,15 @@ class LinkLoad:
         import torch
 
         torch.cuda.synchronize()
-        self._driver.unregister(self._host.data_ptr())
-        self._driver.close()
+        if self._driver is not None:
+            self._driver.unregister(self._host.data_ptr())
+            self._driver.close()
 
 
 def link_rates(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seconds: float,
-               nbytes: int = 1 << 29) -> dict:
+               nbytes: int = 1 << 29, mode: str = "in-place") -> dict:
     """The link's rate alone, then per thread count the CPU's rate with the link busy and the link's meanwhile."""
-    load = LinkLoad(nbytes)
+    load = LinkLoad(nbytes, mode)
     try:
         with load.running() as alone:
             time.sleep(seconds)
@@ -215,7 +235,7 @@ def link_rates(kernel: ctypes.CDLL, experts: int, thread_counts: list[int], seco
                 cpu = probe(kernel, experts, [threads], seconds)["rows"][0]
             rows.append({"threads": threads, "cpu_gbps": cpu["gbps"], "link_gbps": link["gbps"],
                          "together_gbps": cpu["gbps"] + link["gbps"]})
-        return {"link_alone_gbps": alone["gbps"], "buffer_bytes": nbytes, "rows": rows}
+        return {"link_mode": mode, "link_alone_gbps": alone["gbps"], "buffer_bytes": nbytes, "rows": rows}
     finally:
         load.close()
 
@@ -230,7 +250,8 @@ def report(result: dict) -> str:
                      f"({r['gbps'] / r['memory_sum_gbps']:.2f} of it)")
     link = result.get("link")
     if link:
-        lines.append(f"  the GPU reading {link['buffer_bytes'] / 1e6:.0f} MB of host memory in place: "
+        how = "through the copy engine" if link.get("link_mode") == "copy-engine" else "in place"
+        lines.append(f"  the GPU reading {link['buffer_bytes'] / 1e6:.0f} MB of host memory {how}: "
                      f"{link['link_alone_gbps']:.1f} GB/s alone")
         for r in link["rows"]:
             lines.append(f"  {r['threads']:3d} threads beside it: CPU {r['cpu_gbps']:6.1f} GB/s, link {r['link_gbps']:6.1f} "
@@ -245,7 +266,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=64, help="distinct objects the calls rotate over")
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per thread count")
     parser.add_argument("--gpu-link-load", action="store_true",
-                        help="time each thread count again while the GPU reads host memory in place (CUDA)")
+                        help="time each thread count again while the GPU reads host memory (CUDA)")
+    parser.add_argument("--link-mode", choices=LINK_MODES, default=None,
+                        help="how --gpu-link-load reads: in place by the SMs (default) or by the copy engine")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "expertpack-cpu-kernels")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -253,6 +276,8 @@ def main(argv=None) -> int:
     threads = args.threads or sorted({1, *[2 ** i for i in range(1, cpus.bit_length()) if 2 ** i <= cpus], cpus})
     if any(t < 1 for t in threads) or args.experts < SHAPE[2] or args.seconds <= 0:
         parser.error("--threads must be >= 1, --experts at least the top-k (8), --seconds > 0")
+    if args.link_mode is not None and not args.gpu_link_load:
+        parser.error("--link-mode says how --gpu-link-load reads; it needs --gpu-link-load")
     try:
         kernel = build_kernel(args.cache_dir)
     except KernelUnavailable as exc:
@@ -270,7 +295,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("cpu_expert_probe: --gpu-link-load needs CUDA", file=sys.stderr)
             return 2
-        result["link"] = link_rates(kernel, args.experts, threads, args.seconds)
+        result["link"] = link_rates(kernel, args.experts, threads, args.seconds, mode=args.link_mode or "in-place")
     print(report(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))

@@ -49,7 +49,8 @@ def test_probe_reports_rates_per_thread_count(tmp_path, capsys):
     assert "threads:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--threads", "0"], ["--experts", "4"], ["--seconds", "0"]])
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--experts", "4"], ["--seconds", "0"],
+                                  ["--link-mode", "copy-engine"], ["--gpu-link-load", "--link-mode", "dma"]])
 def test_probe_refuses_bad_arguments(argv):
     with pytest.raises(SystemExit) as exc:
         cpu_expert_probe.main(argv)
@@ -67,12 +68,13 @@ def test_link_load_needs_cuda(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_link_load_runs_beside_the_cpu_kernel(tmp_path):
+@pytest.mark.parametrize("mode", cpu_expert_probe.LINK_MODES)
+def test_link_load_runs_beside_the_cpu_kernel(tmp_path, mode):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kernel = cpu_expert_probe.build_kernel(tmp_path)
-    result = cpu_expert_probe.link_rates(kernel, 8, [1, 2], 0.2, nbytes=64 << 20)
-    assert result["link_alone_gbps"] > 1 and [r["threads"] for r in result["rows"]] == [1, 2]
+    result = cpu_expert_probe.link_rates(kernel, 8, [1, 2], 0.2, nbytes=64 << 20, mode=mode)
+    assert result["link_mode"] == mode and result["link_alone_gbps"] > 1 and [r["threads"] for r in result["rows"]] == [1, 2]
     assert all(r["cpu_gbps"] > 0 and r["link_gbps"] > 1 for r in result["rows"])
