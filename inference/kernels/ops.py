@@ -172,8 +172,10 @@ def _interpreted() -> bool:
 def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, top_k: int, x_per_pair: bool = False, misses: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None, tuning: tuple[int, int] | None = None,
-             host: HostSlots | None = None) -> torch.Tensor:
-    """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair).
+             host: HostSlots | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair), into `out`
+    when given ([P, rows], unit stride along rows: e.g. a column slice of a wider output; the
+    rows of pairs whose slot is -2 are left as they are).
 
     experts: int64 [P], top_k_index flattened (pair p = token p // top_k); slot_map: int32 [E],
     the slot of each expert (-1: not resident, its row is garbage, and it is counted in
@@ -183,10 +185,13 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
     """
     module = triton_module()
     assert module is not None, "moe_gemv without triton: check fused_unavailable_reason first"
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or (out.dtype if out is not None else x.dtype)
     pairs = experts.shape[0]
     assert x.stride(-1) == 1 and x.shape[-1] == weight.cols, (tuple(x.shape), weight)
-    out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
+    if out is None:
+        out = torch.empty((pairs, weight.rows), dtype=out_dtype, device=x.device)  # [P, N]
+    assert out.shape == (pairs, weight.rows) and out.stride(-1) == 1 and out.dtype == out_dtype, \
+        (tuple(out.shape), out.stride(), out.dtype, weight)
     if pairs == 0:
         return out
     if tuning is not None:
