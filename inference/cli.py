@@ -89,6 +89,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool = Tru
     parser.add_argument("--cpu-experts-share", type=_fraction, default=None, metavar="F",
                         help="the share of each layer's host-tier experts the CPU threads compute, fixed (default: "
                              "tuned while decoding, from 0.35, to the share whose steps are fastest)")
+    parser.add_argument("--cpu-experts-copy-engine", action="store_true", default=False if defaults else None,
+                        help="with --cpu-experts-threads: copy the GPU's share of the host-tier experts to VRAM with "
+                             "the copy engine (a host thread aims it at each layer's experts) instead of reading "
+                             "them in place over the link")
 
 
 def _lookahead(text: str) -> int | str:

@@ -94,6 +94,9 @@ class ModelConfig:
     # the share of each layer's host-tier experts they take; None: tuned on the decode steps' times,
     # starting at cpu_experts.DEFAULT_SHARE (inference.experts.share_tuner)
     cpu_experts_share: float | None = None
+    # the GPU's share of the host-tier experts copied to VRAM by the copy engine (a host thread
+    # aims it at each layer's experts, inference.kernels.copy_agent) rather than read in place
+    cpu_experts_copy_engine: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bundle, (str, Path)) or not str(self.bundle):
@@ -136,6 +139,11 @@ class ModelConfig:
                 raise ConfigError("cpu_experts_share", value, "expected a fraction in (0, 1]")
             if not self.cpu_experts_threads:
                 raise ConfigError("cpu_experts_share", value, "given with cpu_experts_threads 0: nothing to share")
+        if not isinstance(self.cpu_experts_copy_engine, bool):
+            raise ConfigError("cpu_experts_copy_engine", self.cpu_experts_copy_engine, "expected true or false")
+        if self.cpu_experts_copy_engine and not self.cpu_experts_threads:
+            raise ConfigError("cpu_experts_copy_engine", self.cpu_experts_copy_engine,
+                              "the copy agent runs beside the CPU experts: cpu_experts_threads is 0")
 
     def lookahead_for(self, model_config) -> int:
         """Experts per token to hint for the next layer, "auto" resolved for this model."""
@@ -148,13 +156,13 @@ class ModelConfig:
         return get_arch(model_config.model_type).top_k(model_config)
 
     def cpu_experts(self):
-        """The CpuExpertsConfig of cpu_experts_threads/share, or None (off)."""
+        """The CpuExpertsConfig of cpu_experts_threads/share/copy_engine, or None (off)."""
         if not self.cpu_experts_threads:
             return None
         from inference.experts.cpu_experts import CpuExpertsConfig
 
         share = None if self.cpu_experts_share is None else float(self.cpu_experts_share)
-        return CpuExpertsConfig(self.cpu_experts_threads, share)
+        return CpuExpertsConfig(self.cpu_experts_threads, share, self.cpu_experts_copy_engine)
 
     def min_precision(self) -> float:
         """lookahead_min_precision, the default resolved."""

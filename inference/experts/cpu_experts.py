@@ -41,12 +41,15 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARE = 0.35
 TUNER_LEVELS = 16  # the tuned share moves in sixteenths
 TIMEOUT_NS = 200_000_000  # a pool this late is gone: the step is redone on the acquire path
+# the copy agent's scratch slots: a layer's host-tier experts beyond them (in a batch) are read in place
+COPY_SLOTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class CpuExpertsConfig:
     threads: int  # the pool's threads (spinning while steps run)
     share: float | None = None  # of each layer's host-tier experts; None: tuned while decoding
+    copy_engine: bool = False  # the GPU's host-tier experts copied to VRAM by a copy agent, not read in place
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -54,6 +57,8 @@ class CpuExpertsConfig:
         if self.share is not None and (isinstance(self.share, bool) or not isinstance(self.share, (int, float))
                                        or not 0 < self.share <= 1):
             raise ValueError(f"cpu_experts share {self.share!r}: expected a fraction in (0, 1] (or None: tuned)")
+        if not isinstance(self.copy_engine, bool):
+            raise ValueError(f"cpu_experts copy_engine {self.copy_engine!r}: expected true or false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,8 @@ class CpuShare:
     cpu_pairs: torch.Tensor  # int32 [max pairs]
     max_pairs: int
     timeout_ns: int = TIMEOUT_NS
+    copies: handoff.CopyBox | None = None  # the copy agent's, shared by the layers (None: read in place)
+    copy_map: torch.Tensor | None = None  # int32 [E]: scratch, static for graph capture (with copies)
 
 
 def why_not(binding, dtype: torch.dtype) -> str | None:
@@ -134,7 +141,12 @@ class CpuExperts:
         box = handoff.Mailbox.of(self.pool, device)
         cpu_pairs = torch.zeros(max_pairs, dtype=torch.int32, device=device)
         self.layers: dict[int, CpuShare] = {}
+        self.agent = None
         try:
+            copies = None
+            if config.copy_engine:
+                self.agent = start_copy_agent(host_address, host_slots, slot_bytes, min(COPY_SLOTS, max_pairs), device)
+                copies = handoff.CopyBox.of(self.agent, device)
             for layer, binding in eligible.items():
                 activate, limit = activations[layer]
                 kind = self.pool.add_kind(binding.fused.up, binding.fused.down, limit)
@@ -142,17 +154,21 @@ class CpuExperts:
                 if mismatch is not None:
                     log.info("CPU experts: layer %d: %s; its host-tier experts are read over the link", layer, mismatch)
                     continue
-                gpu_map = torch.empty(binding.plan.target.num_experts, dtype=torch.int32, device=device)
-                self.layers[layer] = CpuShare(box, kind, self.share, gpu_map, cpu_pairs, max_pairs)
+                experts = binding.plan.target.num_experts
+                gpu_map = torch.empty(experts, dtype=torch.int32, device=device)
+                copy_map = None if copies is None else torch.empty(experts, dtype=torch.int32, device=device)
+                self.layers[layer] = CpuShare(box, kind, self.share, gpu_map, cpu_pairs, max_pairs, copies=copies,
+                                              copy_map=copy_map)
             if not self.layers:
                 raise HostExpertsUnavailable("no layer's activation is one the CPU experts compute (see the log)")
             self.pool.start()
         except BaseException:
-            self.pool.close()
+            self.close()
             raise
-        log.info("CPU experts: %d threads (%s kernels) take %d/%d of the host-tier experts of %d of %d layers%s",
-                 config.threads, self.pool.kernel, self._level, self._denominator, len(self.layers), len(bindings),
-                 " (tuned while decoding)" if self.tuner is not None else "")
+        log.info("CPU experts: %d threads (%s kernels) take %d/%d of the host-tier experts of %d of %d layers%s; "
+                 "the GPU's are %s", config.threads, self.pool.kernel, self._level, self._denominator,
+                 len(self.layers), len(bindings), " (tuned while decoding)" if self.tuner is not None else "",
+                 "copied to VRAM by the copy engine" if self.agent is not None else "read in place")
 
     @property
     def share_now(self) -> float:
@@ -174,20 +190,52 @@ class CpuExperts:
 
     def close(self) -> None:
         self.pool.close()
+        if self.agent is not None:
+            self.agent.close()
+
+
+def start_copy_agent(host_address: int, host_slots: int, slot_bytes: int, max_copies: int, device: torch.device):
+    """A started CopyAgent over the host tier, checked on one copy (host slot 0 into scratch slot
+    0, its bytes compared): a copy engine that cannot be driven from here fails now, not in a step."""
+    import ctypes
+
+    from inference.kernels.copy_agent import CopyAgent
+
+    agent = CopyAgent(host_address=host_address, host_slots=host_slots, slot_bytes=slot_bytes,
+                      max_copies=max_copies, device=device)
+    try:
+        agent.start()
+        agent.run([0])
+        probe = min(slot_bytes, 1 << 16)
+        expected = torch.frombuffer((ctypes.c_uint8 * probe).from_address(host_address), dtype=torch.uint8)
+        if not torch.equal(agent.scratch[:probe].cpu(), expected):
+            raise HostExpertsUnavailable("copy agent: the self-check's copy differs from the host tier's bytes")
+    except BaseException:
+        agent.close()
+        raise
+    return agent
 
 
 def pair_forward_shared(cpu: CpuShare, gemv, activate, x: torch.Tensor, experts: torch.Tensor,
                         slot_map: torch.Tensor, host_first: int, top_k: int, misses: torch.Tensor | None
                         ) -> torch.Tensor:
-    """[P, H] down outputs of every pair (before the combine): `gemv(x, map, per_pair, first)` runs
-    the GPU's GEMVs of one projection (first: gate/up, which counts misses) over the pairs whose
-    slot in `map` is not -2, `activate(gate_up)` the module's activation; the CPU's pairs' rows
-    come from the pool."""
+    """[P, H] down outputs of every pair (before the combine): `gemv(x, map, per_pair, first,
+    out=None, scratch=False)` runs the GPU's GEMVs of one projection (first: gate/up, which counts
+    misses) over the pairs whose slot in `map` is not -2 (into `out` when given; with `scratch`,
+    map's ids name the copy agent's scratch slots, HostSlots from 1), `activate(gate_up)` the
+    module's activation; the CPU's pairs' rows come from the pool, and with a copy agent
+    (cpu.copies) the GPU's host-tier experts are read from their copies once they landed."""
     assert misses is not None, "the handoff reports a late CPU as a miss: a decode step's miss counter is needed"
     gpu_map = handoff.split_publish(cpu.box, x, experts, slot_map, host_first, cpu.share, kind=cpu.kind,
-                                    top_k=top_k, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs)
-    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: the CPU's pairs' rows unused
-    hidden = activate(gate_up).contiguous()  # [P, I]
+                                    top_k=top_k, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs, copies=cpu.copies,
+                                    copy_map=cpu.copy_map)
+    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: VRAM experts' (and in-place host ones') rows
+    if cpu.copies is not None:  # the VRAM experts' GEMV ran while the copies moved
+        handoff.copy_wait(cpu.copies, misses, cpu.timeout_ns)
+        gemv(x, cpu.copy_map, False, True, out=gate_up, scratch=True)
+    hidden = activate(gate_up).contiguous()  # [P, I]: the CPU's pairs' rows unused
     down = gemv(hidden, gpu_map, True, False)  # [P, H]
+    if cpu.copies is not None:
+        gemv(hidden, cpu.copy_map, True, False, out=down, scratch=True)
     handoff.collect(cpu.box, down, cpu.cpu_pairs, misses, cpu.timeout_ns)
     return down

@@ -108,11 +108,19 @@ def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: 
     tokens, top_k = top_k_index.shape
     experts = top_k_index.reshape(-1)  # [P] int64, p = token * k + slot
     if cpu is not None and host is not None and experts.shape[0] <= cpu.max_pairs:
-        def gemv(inputs, gpu_map, per_pair, first):
-            parts = [moe_gemv(inputs, experts, gpu_map, arena, stride, w, top_k=top_k, x_per_pair=per_pair,
-                              misses=misses if first and i == 0 else None, host=host)
-                     for i, w in enumerate(fused.up if first else (fused.down,))]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        scratch_slots = None if cpu.copies is None else HostSlots(1, cpu.copies.scratch.data_ptr() - arena.data_ptr())
+
+        def gemv(inputs, gpu_map, per_pair, first, out=None, scratch=False):
+            weights = fused.up if first else (fused.down,)
+            if out is None:  # [P, rows of the projection's parts together]
+                out = inputs.new_empty(experts.shape[0], sum(w.rows for w in weights))
+            column = 0
+            for i, w in enumerate(weights):  # each part into its columns: no concatenation
+                moe_gemv(inputs, experts, gpu_map, arena, stride, w, top_k=top_k, x_per_pair=per_pair,
+                         misses=misses if first and i == 0 and not scratch else None,
+                         host=scratch_slots if scratch else host, out=out[:, column:column + w.rows])
+                column += w.rows
+            return out
 
         down = pair_forward_shared(cpu, gemv, lambda gate_up: _activate(module, plan, fused, gate_up), x, experts,
                                    slot_map, host.first, top_k, misses)

@@ -27,6 +27,9 @@ W_PROJECTION = tl.constexpr(16)
 W_PAIRS = tl.constexpr(17)
 W_TOP_K = tl.constexpr(18)
 W_SLOTS = tl.constexpr(24)
+W_COUNT = tl.constexpr(16)  # the copy agent's mailbox: its ticket is word 0 too, its slots from 24
+MARK_MASK = tl.constexpr(0x3FFFFFFF)  # inference.kernels.copy_agent's marks
+MARK_REFUSED = tl.constexpr(0x40000000)
 
 
 @triton.jit
@@ -49,7 +52,8 @@ def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, p
 @triton.jit
 def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr, xbox_ptr, xbox_stride,
                          x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, share_ptr, kind, top_k,
-                         EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr):
+                         copy_map_ptr, cbox_ptr, copy_count_ptr, max_copies,
+                         EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr, COPY: tl.constexpr):
     e = tl.arange(0, EP)
     emask = e < n_experts
     slot = tl.load(map_ptr + e, mask=emask, other=-1)  # [EP] int32: merged map (host slots >= host_first)
@@ -63,7 +67,22 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr
     take_den = tl.load(share_ptr + 1)
     take = (tl.sum(hosted) * take_num + take_den - 1) // take_den
     cpu = (hosted > 0) & (tl.cumsum(hosted, 0) <= take)  # [EP] the lowest-id `take` host-tier experts
-    tl.store(gpu_map_ptr + e, tl.where(cpu, -2, slot), mask=emask)
+    if COPY:  # the GPU's host-tier experts go to the copy agent, as many as its scratch holds
+        copying = ((hosted > 0) & (cpu == 0)).to(tl.int32)
+        order = tl.cumsum(copying, 0) - 1  # [EP] scratch slot of each copied expert
+        copied = (copying > 0) & (order < max_copies)  # [EP] the others are read in place
+        tl.store(copy_map_ptr + e, tl.where(copied, order + 1, -2), mask=emask)  # scratch ids from 1 (HostSlots)
+        tl.store(gpu_map_ptr + e, tl.where(cpu | copied, -2, slot), mask=emask)
+        tl.store(cbox_ptr + W_SLOTS + order, (slot - host_first).to(tl.int64), mask=emask & copied)
+        copies = tl.sum(copied.to(tl.int32))
+        tl.store(copy_count_ptr, copies)
+        if copies > 0:
+            tl.store(cbox_ptr + W_COUNT, copies)
+            tl.debug_barrier()
+            copy_ticket = tl.load(cbox_ptr + W_TICKET, volatile=True) + 1
+            tl.atomic_xchg(cbox_ptr + W_TICKET, copy_ticket, sem="release", scope="sys")
+    else:
+        tl.store(gpu_map_ptr + e, tl.where(cpu, -2, slot), mask=emask)
     pair_cpu = tl.sum((hit & cpu[:, None]).to(tl.int32), axis=0)  # [PP] 0 or 1
     pair_slot = tl.sum(tl.where(hit, slot[:, None], 0), axis=0)  # [PP] the slot of the pair's one expert
     tl.store(cpu_pair_ptr + p, pair_cpu, mask=pmask)
@@ -104,3 +123,22 @@ def collect_kernel(out_ptr, out_stride, rows, cpu_pair_ptr, box_ptr, obox_ptr, o
         n = n0 + tl.arange(0, BLOCK)
         v = tl.load(obox_ptr + p * obox_stride + n, mask=n < rows, volatile=True)
         tl.store(out_ptr + p * out_stride + n, v, mask=n < rows)
+
+
+@triton.jit
+def copy_wait_kernel(mark_ptr, cbox_ptr, copy_count_ptr, miss_ptr, timeout_ns, INTERP: tl.constexpr):
+    """Until the copy agent marks the layer's copies landed (one program; nothing to wait for when
+    the layer posted none); a mark that does not come in `timeout_ns`, or a refusal, is a miss."""
+    if tl.load(copy_count_ptr) == 0:
+        return
+    ticket = (tl.load(cbox_ptr + W_TICKET, volatile=True) & MARK_MASK).to(tl.int32)
+    mark = tl.load(mark_ptr, volatile=True)
+    start = _clock(0, INTERP)
+    now = start
+    step = 0
+    while (mark != ticket) & (mark != (ticket | MARK_REFUSED)) & (now - start < timeout_ns):
+        mark = tl.load(mark_ptr, volatile=True)
+        step += 1
+        now = _clock(step, INTERP)
+    if mark != ticket:  # late or refused: the step is redone on the acquire path
+        tl.atomic_add(miss_ptr, 1)

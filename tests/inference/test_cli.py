@@ -161,6 +161,10 @@ def test_serve_config_from_a_file_with_flags_over_it(tmp_path, monkeypatch):
     (["--bundle", "b", "--storaged", "/s", "--cpu-experts-threads", "4", "--cpu-experts-share", "0"], None,
      "'cpu_experts_share' = 0.0"),
     ([], "bundle = 'b'\nstoraged = '/s'\ncpu_experts_threads = 2.5\n", "'cpu_experts_threads' = 2.5"),
+    (["--bundle", "b", "--storaged", "/s", "--cpu-experts-copy-engine"], None,
+     "'cpu_experts_copy_engine' = True: the copy agent runs beside the CPU experts: cpu_experts_threads is 0"),
+    ([], "bundle = 'b'\nstoraged = '/s'\ncpu_experts_threads = 2\ncpu_experts_copy_engine = 'yes'\n",
+     "'cpu_experts_copy_engine' = 'yes'"),
 ])
 def test_bad_serve_configuration_exits_2_naming_the_field(tmp_path, capsys, argv, file, message):
     if file is not None:
@@ -216,6 +220,9 @@ def test_cpu_experts_flags_and_file_become_one_config(tmp_path):
     assert model.cpu_experts() == CpuExpertsConfig(12)  # the share tuned while decoding
     flag = [*from_file, "--cpu-experts-share", "0.5"]
     assert serve_config_from_args(build_parser().parse_args(flag)).model.cpu_experts() == CpuExpertsConfig(12, 0.5)
+    flag = [*from_file, "--cpu-experts-copy-engine"]
+    assert serve_config_from_args(build_parser().parse_args(flag)).model.cpu_experts() == CpuExpertsConfig(
+        12, None, copy_engine=True)
     args = build_parser().parse_args(["generate", "--bundle", str(tmp_path), "--prompt", "hi"])
     assert generate_config_from_args(args).model.cpu_experts() is None  # off by default
 

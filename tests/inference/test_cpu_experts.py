@@ -15,6 +15,7 @@ from test_host_experts import HIDDEN, host_tier
 
 from inference.experts.cpu_experts import CpuExpertsConfig, CpuShare, pair_forward_shared
 from inference.kernels import handoff
+from inference.kernels.copy_agent import W_COUNT, CopyAgent
 from inference.kernels.host_experts import W_TICKET, HostExpertsPool
 from inference.kernels.ops import HostSlots, moe_gemv
 from packformat import ElementType
@@ -41,10 +42,11 @@ class Layer:
         ids = list(range(VRAM_SLOTS)) + [VRAM_SLOTS + h for h in range(EXPERTS - VRAM_SLOTS)]
         self.slot_map = torch.tensor(ids, dtype=torch.int32, device=DEVICE)  # merged: host ids from VRAM_SLOTS on
 
-    def gemv(self, experts, misses):
-        def run(inputs, slot_map, per_pair, first):
+    def gemv(self, experts, misses, scratch_slots=None):
+        def run(inputs, slot_map, per_pair, first, out=None, scratch=False):
             return moe_gemv(inputs, experts, slot_map, self.arena, self.slot_bytes, self.up if first else self.down,
-                            top_k=TOP_K, x_per_pair=per_pair, misses=misses if first else None, host=self.host)
+                            top_k=TOP_K, x_per_pair=per_pair, misses=misses if first and not scratch else None,
+                            host=scratch_slots if scratch else self.host, out=out)
         return run
 
     def reference(self, x, experts):
@@ -66,7 +68,7 @@ def pools():
         pool.close()
 
 
-def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000):
+def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000, copies=None):
     pool = HostExpertsPool(host_address=layer.tier.data_ptr(), host_slots=EXPERTS - VRAM_SLOTS,
                            slot_bytes=layer.slot_bytes, max_pairs=16, max_cols=HIDDEN, max_rows=HIDDEN, threads=2,
                            pinned=DEVICE == "cuda")
@@ -77,8 +79,21 @@ def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000):
     cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), kind,
                    torch.tensor(share, dtype=torch.int32, device=DEVICE),
                    torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE),
-                   torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns)
+                   torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns, copies=copies,
+                   copy_map=None if copies is None else torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE))
     return pool, cpu
+
+
+def _copies(layer, pools, max_copies=4, start=True):
+    """A copy agent over the layer's host tier (memcpy into a host scratch without CUDA), its
+    CopyBox and the HostSlots by which the GEMV reads its scratch."""
+    agent = CopyAgent(host_address=layer.tier.data_ptr(), host_slots=EXPERTS - VRAM_SLOTS,
+                      slot_bytes=layer.slot_bytes, max_copies=max_copies, device=torch.device(DEVICE))
+    pools.append(agent)
+    if start:
+        agent.start()
+    box = handoff.CopyBox.of(agent, torch.device(DEVICE))
+    return agent, box, HostSlots(1, agent.scratch.data_ptr() - layer.arena.data_ptr())
 
 
 @pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.MXFP4], ids=lambda t: t.name)
@@ -187,3 +202,91 @@ def test_config_refuses_bad_values(threads, share):
 
 def test_config_without_a_share_is_tuned():
     assert CpuExpertsConfig(2).share is None and CpuExpertsConfig(2, 1).share == 1
+
+
+@pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_copied_experts_equal_the_gpu_alone(pools, element_type, tokens):
+    """With a copy agent, the host-tier experts the CPU does not take are copied into scratch
+    slots (lowest ids first) and read there by the same GEMV: their rows equal the GPU-only call's
+    bit for bit, the CPU's to bf16 rounding; one copy job a layer, nothing missed."""
+    rng = np.random.default_rng(20 + int(element_type) + tokens)
+    layer = Layer(element_type, rng)
+    agent, box, scratch_slots = _copies(layer, pools)
+    pool, cpu = _share(layer, pools, share=(1, 3), copies=box)
+    routing = [[4, 0, 6, 3], [7, 5, 1, 4]][:tokens]  # host-tier experts: 3..7
+    experts = torch.tensor(routing, dtype=torch.int64, device=DEVICE).reshape(-1)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = pair_forward_shared(cpu, layer.gemv(experts, misses, scratch_slots), activate, x, experts,
+                              layer.slot_map, VRAM_SLOTS, TOP_K, misses)
+    expected = layer.reference(x, experts)
+    assert int(misses.item()) == 0
+    host_used = sorted({e for row in routing for e in row if e >= VRAM_SLOTS})
+    taken = host_used[: -(-len(host_used) // 3)]
+    copied = [e for e in host_used if e not in taken]
+    slots = layer.slot_map.tolist()
+    assert cpu.gpu_map.cpu().tolist() == [-2 if e in host_used else s for e, s in enumerate(slots)]
+    assert cpu.copy_map.cpu().tolist() == [1 + copied.index(e) if e in copied else -2 for e in range(EXPERTS)]
+    assert (agent.stats().jobs, agent.stats().copies, agent.stats().refused) == (1, len(copied), 0)
+    assert int(box.count.item()) == len(copied) and int(agent.words[W_COUNT]) == len(copied)
+    assert pool.stats().jobs == 1
+    got, expected = got.float().cpu(), expected.float().cpu()
+    on_cpu = torch.tensor([int(e) in taken for e in experts.tolist()])
+    assert torch.equal(got[~on_cpu], expected[~on_cpu])  # VRAM and copied experts: the same kernels, bytes
+    scale = expected.abs().amax(dim=1, keepdim=True)
+    assert torch.all((got[on_cpu] - expected[on_cpu]).abs() <= scale[on_cpu] * 2**-6)
+
+
+def test_experts_beyond_the_scratch_are_read_in_place(pools):
+    """A layer using more host-tier experts than the scratch has slots copies the first ones and
+    reads the others in place: the same rows."""
+    layer = Layer(ElementType.Q4_K, np.random.default_rng(31))
+    agent, box, scratch_slots = _copies(layer, pools, max_copies=1)
+    _, cpu = _share(layer, pools, share=(1, 4), copies=box)
+    experts = torch.tensor([3, 5, 6, 7], dtype=torch.int64, device=DEVICE)  # CPU: 3; copied: 5; in place: 6, 7
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(31)).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = pair_forward_shared(cpu, layer.gemv(experts, misses, scratch_slots), activate, x, experts,
+                              layer.slot_map, VRAM_SLOTS, TOP_K, misses)
+    assert int(misses.item()) == 0
+    assert cpu.copy_map.cpu().tolist() == [-2] * 5 + [1, -2, -2]
+    assert cpu.gpu_map.cpu().tolist()[3:] == [-2, 4, -2, 6, 7]
+    assert agent.stats().copies == 1
+    expected = layer.reference(x, experts).float().cpu()
+    assert torch.equal(got.float().cpu()[1:], expected[1:])
+
+
+def test_a_layer_the_cpu_takes_whole_posts_no_copy_job(pools):
+    """Every copy job posted is one the device waits for: with every host-tier expert on the CPU
+    nothing is posted to the agent (never started here, so a wait would be a miss)."""
+    layer = Layer(ElementType.Q4_K, np.random.default_rng(32))
+    agent, box, scratch_slots = _copies(layer, pools, start=False)
+    _, cpu = _share(layer, pools, share=(1, 1), copies=box)
+    experts = torch.tensor([3, 0, 5, 1], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(1, HIDDEN).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pair_forward_shared(cpu, layer.gemv(experts, misses, scratch_slots), activate, x, experts, layer.slot_map,
+                        VRAM_SLOTS, TOP_K, misses)
+    assert int(misses.item()) == 0
+    assert int(agent.words[0]) == 0 and int(box.count.item()) == 0
+
+
+def test_a_copy_agent_that_does_not_answer_is_a_miss(pools):
+    """The agent's thread never started: the device's wait for the mark times out and counts a
+    miss, so the step is redone on the acquire path rather than reading stale scratch."""
+    layer = Layer(ElementType.Q4_K, np.random.default_rng(33))
+    _, box, scratch_slots = _copies(layer, pools, start=False)
+    _, cpu = _share(layer, pools, share=(1, 2), timeout_ns=2_000_000, copies=box)
+    experts = torch.tensor([3, 5, 0, 1], dtype=torch.int64, device=DEVICE)  # CPU: 3; copied: 5
+    x = torch.randn(1, HIDDEN).bfloat16().to(DEVICE)
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pair_forward_shared(cpu, layer.gemv(experts, misses, scratch_slots), activate, x, experts, layer.slot_map,
+                        VRAM_SLOTS, TOP_K, misses)
+    assert int(misses.item()) >= 1
+
+
+def test_config_takes_the_copy_engine_as_a_flag():
+    assert CpuExpertsConfig(2).copy_engine is False and CpuExpertsConfig(2, copy_engine=True).copy_engine
+    with pytest.raises(ValueError, match="copy_engine"):
+        CpuExpertsConfig(2, copy_engine="yes")
