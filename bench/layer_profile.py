@@ -14,6 +14,8 @@ again, experts are not pre-loaded and steps that meet an absent one run on the a
                     of `inference` on CUDA)
   storaged-graph-cpu  storaged-graph-compiled with CPU threads computing a share of each step's host-tier
                     experts (--cpu-experts-threads, --cpu-experts-share; inference.experts.cpu_experts)
+  storaged-graph-copy  storaged-graph-cpu with the GPU's share of the host-tier experts copied to VRAM by
+                    the copy engine (inference.kernels.copy_agent) instead of read in place
   storaged-eager    storaged arena, one data-plane acquire per MoE layer, fused kernels, no graph
   llamacpp          llama-bench -ngl 99 on the same GGUF (its own timing: per token only)
 
@@ -49,9 +51,10 @@ from bench.e2e.prepare import prepare_model  # noqa: E402
 from bench.e2e.shapes import FULL_SHAPES, TINY_SHAPES  # noqa: E402
 from storaged.stats_snapshot import ACQUIRE_PHASES  # noqa: E402
 
-MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu", "storaged-eager",
-         "llamacpp")
-GRAPH_MODES = ("storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu")  # the static decoder's
+MODES = ("resident", "storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu", "storaged-graph-copy",
+         "storaged-eager", "llamacpp")
+CPU_EXPERTS_MODES = ("storaged-graph-cpu", "storaged-graph-copy")
+GRAPH_MODES = ("storaged-graph", "storaged-graph-compiled", *CPU_EXPERTS_MODES)  # the static decoder's
 SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
                  "cudnn": "CUDNN_ATTENTION"}  # --sdpa-backend -> torch.nn.attention.SDPBackend
 # kernel name -> kind; the first pattern that matches wins
@@ -107,11 +110,11 @@ def _build(mode: str, model, device: torch.device, dtype: torch.dtype, workdir: 
                                                                                host_reads=host_reads))
     decoder = None
     closers = [loaded.expert_source.close, loaded.close, daemon.stop]
-    if mode in ("storaged-graph", "storaged-graph-compiled", "storaged-graph-cpu"):
+    if mode in GRAPH_MODES:
         decoder = StaticDecoder.create(loaded.model, loaded.expert_source, max_len=static_len,
                                        cache_keyword=_cache_keyword(loaded.model),
                                        compile_layers=mode != "storaged-graph",  # not the default
-                                       cpu_experts=cpu_experts if mode == "storaged-graph-cpu" else None)
+                                       cpu_experts=cpu_experts if mode in CPU_EXPERTS_MODES else None)
         if decoder is None:
             raise RuntimeError(f"no static decoder: {why_not(loaded.model, loaded.expert_source, device)}")
         closers.insert(0, decoder.close)
@@ -316,7 +319,8 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
     lookahead = args.lookahead if args.lookahead is not None else (2 * model.shape.top_k if args.budget < 1 else 0)
     from inference.experts.cpu_experts import CpuExpertsConfig
 
-    cpu_experts = CpuExpertsConfig(args.cpu_experts_threads, args.cpu_experts_share)
+    cpu_experts = CpuExpertsConfig(args.cpu_experts_threads, args.cpu_experts_share,
+                                   copy_engine=mode == "storaged-graph-copy")
     built, decoder, source, closers, daemon = _build(mode, model, device, dtype, workdir,
                                                      args.prompt_len + args.tokens + 16 + 2 * args.profile_steps,
                                                      args.budget, lookahead, args.host_budget,
@@ -363,6 +367,8 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
         pool = shared.pool if shared is not None else None
         share_timed = shared.share_now if shared is not None else None  # where the timed decode ended
         pool_before = pool.stats() if pool is not None else None
+        agent = shared.agent if shared is not None else None
+        agent_before = agent.stats() if agent is not None else None
         profiled = _profile_steps(built, decoder, device, vocab, args.profile_steps, sample_seed,
                                   decode_ahead=not args.wait_each_step)
         if pool is not None:  # the CPU's time per job (two a layer) over the profiled steps
@@ -373,6 +379,11 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                 "share_tuned": cpu_experts.share is None, "share_moves": shared.share_moves, "jobs": jobs,
                 "failed_jobs": pool_after.failed_jobs - pool_before.failed_jobs,
                 "us_per_job": 1e6 * (pool_after.busy_seconds - pool_before.busy_seconds) / max(1, jobs)}
+        if agent is not None:  # the copy agent's jobs (one a layer with copies) over the profiled steps
+            agent_after = agent.stats()
+            profiled["copy_agent"] = {
+                "jobs": agent_after.jobs - agent_before.jobs, "copies": agent_after.copies - agent_before.copies,
+                "refused": agent_after.refused - agent_before.refused, "cuda_error": agent_after.cuda_error}
         prefill_profile = _profile_prefill(built, decoder, device, vocab, args.prompt_len)
     finally:
         for close in closers:
