@@ -496,7 +496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="the CPU smoke-test size of the shape")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                        help="default: every mode the budget allows (at 1.0 all but the CPU experts' modes, which "
+                             "need a host tier; below it storaged's modes)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=8)
@@ -537,6 +539,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.no_dense_kernels and not {m for m in args.modes if m.startswith("storaged")}:
         parser.error("--no-dense-kernels is for storaged's modes: resident and llama.cpp keep kernels of their own")
+    if args.modes is None:
+        unfit = CPU_EXPERTS_MODES if args.budget >= 1 else ("resident", "llamacpp")
+        args.modes = [mode for mode in MODES if mode not in unfit]
+    if args.budget >= 1 and set(CPU_EXPERTS_MODES) & set(args.modes):
+        parser.error(f"{', '.join(CPU_EXPERTS_MODES)} compute host-tier experts: they need --budget < 1 (the host "
+                     "tier holds --host-budget, default the budget)")
     if args.wait_each_step and not set(GRAPH_MODES) & set(args.modes):
         parser.error(f"--wait-each-step is for the static decoder's modes ({', '.join(GRAPH_MODES)})")
     if args.sdpa_backend is not None and set(args.modes) == {"llamacpp"}:

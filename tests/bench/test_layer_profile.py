@@ -29,10 +29,12 @@ from bench import layer_profile  # noqa: E402
     (["--sdpa-backend", "cudnn", "--modes", "llamacpp"], "--sdpa-backend is for the torch modes"),
     (["--sdpa-backend", "fast"], "invalid choice: 'fast'"),
     (["--no-dense-kernels", "--modes", "resident", "llamacpp"], "--no-dense-kernels is for storaged's modes"),
+    (["--modes", "storaged-graph-copy"], "compute host-tier experts: they need --budget < 1"),
 ], ids=["zero budget", "budget above 1", "llamacpp below 100%", "resident below 100%",
         "host budget at 100%", "host budget above 1", "min precision above 1", "min precision, lookahead 0",
         "min precision at 100% (lookahead off)", "wait each step without a static decoder mode",
-        "sdpa backend for llama.cpp alone", "unknown sdpa backend", "dense kernels off without storaged"])
+        "sdpa backend for llama.cpp alone", "unknown sdpa backend", "dense kernels off without storaged",
+        "cpu experts without a host tier"])
 def test_bad_flags_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         layer_profile.parse_args(argv)
@@ -95,3 +97,10 @@ def test_the_sdpa_backend_is_the_only_one_attention_may_use():
     with layer_profile._sdpa_backend("cudnn"), pytest.raises(RuntimeError, match="No viable backend"):
         F.scaled_dot_product_attention(q, k, v)  # no cuDNN attention on the CPU
     F.scaled_dot_product_attention(q, k, v)  # and torch's choice again after
+
+
+@pytest.mark.parametrize("budget, left_out", [("1.0", {"storaged-graph-cpu", "storaged-graph-copy"}),
+                                              ("0.5", {"resident", "llamacpp"})])
+def test_default_modes_are_those_the_budget_allows(budget, left_out):
+    modes = layer_profile.parse_args(["--budget", budget]).modes
+    assert set(modes) == set(layer_profile.MODES) - left_out
