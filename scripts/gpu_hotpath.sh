@@ -24,7 +24,7 @@
 #   (an older tree extracted in the working tree, e.g. `mkdir base && git archive REV | tar -x -C base`),
 #   the same sweep over DIR's kernels into gemv_sweep-baseline.json: the ratio within one call.
 #   A *_S of 0 skips that part (GPU_HOTPATH_TESTS_S=0: no tests; GPU_HOTPATH_CPU_S=0: no CPU kernels
-#   bench; GPU_HOTPATH_GEMV_S=0: no experts sweep).
+#   bench; GPU_HOTPATH_GEMV_S=0: no experts sweep; GPU_HOTPATH_PROFILE_S=0: no profile, nor its baselines).
 #   OUT=/some/dir PROFILE_ARGS="--layers 12 --tokens 64" scripts/gpu_hotpath.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +114,7 @@ timeout --kill-after=10 "${GPU_HOTPATH_DENSE_S:-150}" python3 bench/dense_kernel
 ((PIPESTATUS[0] != 0)) && failed=1
 fi
 
+if [[ "${GPU_HOTPATH_PROFILE_S:-300}" != 0 ]]; then
 echo "=== profile"
 WRAP=()
 if [[ "${PROFILE_PYSPY:-0}" == 1 ]]; then
@@ -143,6 +144,7 @@ if [[ -n "${GPU_HOTPATH_PROFILE_BASELINE_TREE:-}" ]]; then
         ${GPU_HOTPATH_PROFILE_BASELINE_MODES:+--modes $GPU_HOTPATH_PROFILE_BASELINE_MODES}) 2>&1 \
         | tee "$OUT/logs/profile-tree-baseline.log" | tail -20
     ((PIPESTATUS[0] != 0)) && failed=1
+fi
 fi
 [[ -f /tmp/pyspy.txt ]] && gzip -c /tmp/pyspy.txt > "$OUT/pyspy.txt.gz"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
