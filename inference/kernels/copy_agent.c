@@ -28,13 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define PAUSE() _mm_pause()
-#else
-#define PAUSE() ((void)0)
-#endif
+
+#include "mailbox_wait.h"  /* now_ns, next_ticket */
 
 enum { W_TICKET = 0, W_COUNT = 16, W_SLOTS = 24 };
 #define MARK_MASK 0x3FFFFFFF
@@ -68,14 +63,6 @@ typedef struct {
     _Atomic int stop;
     _Atomic int64_t jobs, refused, copies, cuda_error;  /* cuda_error: the first failing call's code */
 } agent_t;
-
-static const int64_t SPIN_NS = 5000000;  /* spin this long after a job before napping */
-
-static inline int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 static int open_cuda(agent_t *a) {
     a->libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -153,22 +140,13 @@ static void *agent_main(void *arg) {
         }
     }
     int64_t last = a->start_ticket, idle_since = now_ns();
-    while (!atomic_load_explicit(&a->stop, memory_order_relaxed)) {
-        const int64_t ticket = __atomic_load_n(&a->box[W_TICKET], __ATOMIC_ACQUIRE);
-        if (ticket == last) {
-            if (now_ns() - idle_since > SPIN_NS) {
-                struct timespec nap = {0, 50000};
-                nanosleep(&nap, NULL);
-            } else {
-                PAUSE();
-            }
-            continue;
-        }
+    for (;;) {
+        const int64_t ticket = next_ticket(&a->box[W_TICKET], last, idle_since, &a->stop);
+        if (ticket == last) return NULL;  /* stopped */
         last = ticket;
         serve(a, ticket);
         idle_since = now_ns();
     }
-    return NULL;
 }
 
 /* device: a CUDA ordinal (scratch and mark device addresses, stream a CUstream of that device), or

@@ -29,12 +29,8 @@
 #include <string.h>
 #include <math.h>
 #include <time.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define PAUSE() _mm_pause()
-#else
-#define PAUSE() ((void)0)
-#endif
+
+#include "mailbox_wait.h"  /* PAUSE, now_ns, SPIN_NS, next_ticket */
 
 enum { KIND_Q4_K = 1, KIND_MXFP4 = 2 };
 enum { MAX_SEGMENTS = 2, ITEM_ROWS = 32 };
@@ -96,12 +92,6 @@ struct pool {
     /* statistics */
     _Atomic int64_t jobs, failed_jobs, busy_ns;
 };
-
-static inline int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 static inline volatile int64_t *word(pool_t *p, int index) { return (volatile int64_t *)p->mailbox + index; }
 
@@ -521,21 +511,11 @@ static void run_job(pool_t *p) {
     run_phase(p, PHASE_PROJECT, &kind->down, p->hidden, 1, p->hidden_stride, out, p->out_stride);
 }
 
-static const int64_t SPIN_NS = 5000000;  /* spin this long after a job before sleeping */
-
 static void lead(pool_t *p) {
     int64_t last = p->start_ticket, idle_since = now_ns();
-    while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
-        const int64_t ticket = __atomic_load_n(word(p, W_TICKET), __ATOMIC_ACQUIRE);
-        if (ticket == last) {
-            if (now_ns() - idle_since > SPIN_NS) {
-                struct timespec nap = {0, 50000};
-                nanosleep(&nap, NULL);
-            } else {
-                PAUSE();
-            }
-            continue;
-        }
+    for (;;) {
+        const int64_t ticket = next_ticket(word(p, W_TICKET), last, idle_since, &p->stop);
+        if (ticket == last) return;  /* stopped */
         const int64_t started = now_ns();
         last = ticket;
         if (!prepare(p)) {

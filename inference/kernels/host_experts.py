@@ -63,7 +63,9 @@ def compile_library(source: Path, flags: Sequence[str], cache_dir: Path) -> Path
     if compiler is None:
         raise HostExpertsUnavailable(f"no C compiler (cc or gcc) on PATH to build {source.name}")
     flags = [*flags, "-shared", "-fPIC"]
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    # the headers beside it count too: the sources include them (mailbox_wait.h)
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     library = cache_dir / f"{source.stem}-{digest}.so"
     if not library.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
