@@ -133,6 +133,18 @@ class _CpuExpertsCollector:
                                   "experts compute now", labels=["model"])
         share.add_metric([self.model], shared.share_now)
         yield share
+        if shared.agent is None:
+            return
+        copied = shared.agent.stats()
+        for name, doc, value in (
+                ("copy_agent_jobs", "Layer jobs the copy agent issued (the GPU's share of a decode step's host-tier "
+                                    "experts, copied to VRAM)", copied.jobs),
+                ("copy_agent_copies", "Host-tier experts the copy agent copied to VRAM", copied.copies),
+                ("copy_agent_refused_jobs", "Copy jobs refused (malformed, or a CUDA call failed): the step was "
+                                            "redone on the acquire path", copied.refused)):
+            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
 
 
 class _StaticDecoderCollector:

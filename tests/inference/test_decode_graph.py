@@ -197,12 +197,15 @@ def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager
 
 
 @pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
-@pytest.mark.parametrize("share", [0.5, None], ids=["half", "tuned"])
-def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens, share):
+@pytest.mark.parametrize("share, copy_engine", [(0.5, False), (None, False), (0.25, True)],
+                         ids=["half", "tuned", "quarter, the rest copied"])
+def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens, share,
+                                                                           copy_engine):
     """The host-tier test above with CPU threads taking half of each layer's host-tier experts
-    (inference.experts.cpu_experts), or a share the tuner moves at every step: the same tokens,
-    the second request still all through the slot map, the pool serving one job a MoE layer a
-    step where it takes an expert, and refusing none."""
+    (inference.experts.cpu_experts), or a share the tuner moves at every step, or a quarter with
+    the copy agent bringing the GPU's share into scratch slots (memcpy without CUDA): the same
+    tokens, the second request still all through the slot map, the pool serving one job a MoE
+    layer a step where it takes an expert, and refusing none."""
     from inference.experts.cpu_experts import CpuExpertsConfig
     from inference.kernels.host_experts import W_TICKET
 
@@ -211,9 +214,11 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
         with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
                                  expert_source=loaded.expert_source, static_cache_len=64,
-                                 cpu_experts=CpuExpertsConfig(2, share))
+                                 cpu_experts=CpuExpertsConfig(2, share, copy_engine=copy_engine))
             decoder = runner.decoder
             pool = decoder.cpu_experts.pool
+            agent = decoder.cpu_experts.agent
+            assert (agent is not None) == copy_engine
             tuner = decoder.cpu_experts.tuner
             assert (tuner is None) == (share is not None)
             metrics = EngineMetrics("m")
@@ -231,6 +236,10 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
             scraped = {name: metrics.registry.get_sample_value(f"expertpack_inference_cpu_experts_{name}", {"model": "m"})
                        for name in ("jobs_total", "failed_jobs_total", "share_moves_total", "share")}
             share_now = decoder.cpu_experts.share_now
+            copied = agent.stats() if agent is not None else None
+            scraped_copies = {name: metrics.registry.get_sample_value(f"expertpack_inference_copy_agent_{name}",
+                                                                      {"model": "m"})
+                              for name in ("jobs_total", "copies_total", "refused_jobs_total")}
             decoder.close()
             assert metrics.registry.get_sample_value("expertpack_inference_cpu_experts_jobs_total",
                                                      {"model": "m"}) is None  # closed: nothing to read
@@ -246,6 +255,12 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_
     assert (moves > 0) == (share is None)
     assert scraped == {"jobs_total": stats.jobs, "failed_jobs_total": 0, "share_moves_total": moves,
                        "share": share_now}
+    if copy_engine:  # the self-check's job, then copies in the steps, none refused
+        assert copied.jobs > 1 and copied.copies >= copied.jobs and copied.refused == 0, copied
+        assert scraped_copies == {"jobs_total": copied.jobs, "copies_total": copied.copies,
+                                  "refused_jobs_total": 0}
+    else:
+        assert scraped_copies == dict.fromkeys(scraped_copies)  # no agent: no series
 
 
 def test_cpu_experts_are_refused_without_a_host_tier(qwen_case):
