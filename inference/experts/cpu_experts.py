@@ -24,6 +24,7 @@ host tier in place, weights of a type the CPU kernels read (Q4_K, MXFP4), bfloat
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 from fractions import Fraction
@@ -197,8 +198,6 @@ class CpuExperts:
 def start_copy_agent(host_address: int, host_slots: int, slot_bytes: int, max_copies: int, device: torch.device):
     """A started CopyAgent over the host tier, checked on one copy (host slot 0 into scratch slot
     0, its bytes compared): a copy engine that cannot be driven from here fails now, not in a step."""
-    import ctypes
-
     from inference.kernels.copy_agent import CopyAgent
 
     agent = CopyAgent(host_address=host_address, host_slots=host_slots, slot_bytes=slot_bytes,
