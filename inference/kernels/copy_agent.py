@@ -120,7 +120,7 @@ class CopyAgent:
 
     def close(self) -> None:
         """Stop the thread (the device must not post jobs any more)."""
-        if self._agent:
+        if getattr(self, "_agent", None):  # None too when __init__ failed before it
             if self.stream is not None:
                 self.stream.synchronize()
             self.lib.copy_agent_destroy(self._agent)

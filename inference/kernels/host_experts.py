@@ -40,7 +40,8 @@ import torch
 from inference.kernels.ops import GemvWeight
 from packformat.constants import ElementType
 
-SOURCE = Path(__file__).with_name("host_experts.c")
+KERNELS_DIR = Path(__file__).parent
+SOURCE = KERNELS_DIR / "host_experts.c"
 # element type -> the C kernel's kind code (host_experts.c KIND_*)
 KINDS = {ElementType.Q4_K: 1, ElementType.MXFP4: 2}
 HOST_TYPES = frozenset(KINDS)
@@ -62,9 +63,10 @@ def compile_library(source: Path, flags: Sequence[str], cache_dir: Path) -> Path
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise HostExpertsUnavailable(f"no C compiler (cc or gcc) on PATH to build {source.name}")
-    flags = [*flags, "-shared", "-fPIC"]
-    # the headers beside it count too: the sources include them (mailbox_wait.h)
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    # this package's headers (mailbox_wait.h) are found for a source anywhere (a revision under
+    # test or bench elsewhere), and count in the cache key with those beside the source
+    flags = [*flags, f"-I{KERNELS_DIR}", "-shared", "-fPIC"]
+    headers = b"".join(h.read_bytes() for h in sorted({*source.parent.glob("*.h"), *KERNELS_DIR.glob("*.h")}))
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     library = cache_dir / f"{source.stem}-{digest}.so"
     if not library.exists():
@@ -225,7 +227,7 @@ class HostExpertsPool:
 
     def close(self) -> None:
         """Stop the threads (the device must not post jobs any more)."""
-        if self._pool:
+        if getattr(self, "_pool", None):  # None too when __init__ failed before it
             self.lib.host_experts_destroy(self._pool)
             self._pool = None
 
