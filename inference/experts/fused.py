@@ -29,7 +29,7 @@ import torch
 from inference.experts.cpu_experts import pair_forward_shared
 from inference.experts.eager import expert_outputs
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
-from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, device_gemm_blocks, gemm_blocks, gemv_weight,
+from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, device_dispatch, gemm_blocks, gemv_weight,
                                   moe_combine, moe_gemm, moe_gemv)
 
 GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
@@ -226,14 +226,11 @@ def device_grouped_forward(module: torch.nn.Module, plan: LayerPlan, fused: Fuse
     block table is sized for any routing). A pair whose expert is absent (-1) is counted in
     `misses` (int32 [1]) and computed from slot 0: garbage that the caller throws away."""
     tokens, top_k = top_k_index.shape
-    sorted_experts, pair_order = torch.sort(top_k_index.reshape(-1), stable=True)  # [S] pairs grouped by expert
-    if misses is not None:
-        misses.add_((slot_map[sorted_experts] < 0).sum(dtype=torch.int32))
-    blocks = device_gemm_blocks(sorted_experts, slot_map)
-    out = _sorted_gemm_outputs(module, plan, fused, x, top_k, pair_order, blocks,
-                               lambda: slot_map[sorted_experts].clamp(min=0), arena, stride, host)  # [S, H] sorted
+    grouped = device_dispatch(top_k_index.reshape(-1), slot_map, misses)  # [S] pairs grouped by expert, blocks
+    out = _sorted_gemm_outputs(module, plan, fused, x, top_k, grouped.order, grouped.blocks,
+                               lambda: slot_map[grouped.sorted_experts].clamp(min=0), arena, stride, host)  # [S, H]
     by_pair = torch.empty_like(out)
-    by_pair[pair_order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
+    by_pair[grouped.order] = out  # [T*k, H], pair p = (token p // k, slot p % k)
     return moe_combine(by_pair, top_k_weights, top_k_index)
 
 

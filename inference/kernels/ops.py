@@ -272,31 +272,46 @@ def gemm_blocks(rows: Sequence[int], counts: Sequence[int], block_m: int | None 
     return GemmBlocks(torch.tensor(table, dtype=torch.int32).reshape(-1, 3), block_m)
 
 
-def device_gemm_blocks(sorted_experts: torch.Tensor, slot_map: torch.Tensor, block_m: int | None = None
-                       ) -> GemmBlocks:
-    """`gemm_blocks` computed on the device, with no host synchronization: the experts of the
-    expert-sorted pairs (`sorted_experts`, int64 [S], ascending) at slot_map[expert] (int32 [E]).
+DISPATCH_CHUNK = 64  # pairs (and blocks) the dispatch program takes at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """A grouped call's pairs grouped by expert, built on the device (no host synchronization)."""
+
+    order: torch.Tensor  # int64 [S]: the pair at each sorted position (ascending expert, then pair)
+    sorted_experts: torch.Tensor  # int64 [S]: the expert at each sorted position
+    blocks: GemmBlocks
+
+
+def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch.Tensor | None = None,
+                    block_m: int | None = None) -> Dispatch:
+    """The pairs of `experts` (int64 [S], top_k_index flattened) sorted by expert, stably, and
+    their `gemm_blocks` (experts at slot_map[expert], int32 [E]), in one program
+    (inference.kernels.dispatch_triton); pairs whose expert is absent (slot -1) are added to
+    `misses` (int32 [1]) and read slot 0: garbage the caller throws away.
 
     The number of blocks depends on the routing, which the host does not see, so the table has
     as many rows as any routing of S pairs over E experts can need (S // block_m + min(S, E)); the
-    rows past the real blocks hold 0 pairs, and their programs return at once. An absent expert
-    (slot -1) gets slot 0, never a fault: the caller counts such pairs and discards the result.
+    rows past the real blocks hold 0 pairs, and their programs return at once.
     """
     block_m = block_m or GEMM_BLOCK_M
-    pairs, experts = sorted_experts.shape[0], slot_map.shape[0]
-    device = sorted_experts.device
-    ids = torch.arange(experts, device=device)  # [E]
-    starts = torch.searchsorted(sorted_experts, ids)  # [E] first sorted position of each expert
-    counts = torch.searchsorted(sorted_experts, ids, right=True) - starts  # [E] pairs of each expert
-    nblocks = (counts + block_m - 1) // block_m  # [E]
-    ends = nblocks.cumsum(0)  # [E] one past each expert's last block
-    b = torch.arange(pairs // block_m + min(pairs, experts), device=device)  # [B] every block that can exist
-    expert = torch.searchsorted(ends, b, right=True).clamp_(max=experts - 1)  # [B] the expert of block b
-    local = b - (ends[expert] - nblocks[expert])  # [B] block b's index among its expert's blocks
-    count = (counts[expert] - local * block_m).clamp_(0, block_m)  # [B] 0 past the last real block
-    slot = slot_map[expert].to(torch.int64).clamp_(min=0)  # [B] an absent expert (-1) reads slot 0: garbage
-    table = torch.stack([slot, starts[expert] + local * block_m, count], dim=1)
-    return GemmBlocks(table.to(torch.int32), block_m)  # [B, 3]
+    pairs, n_experts = experts.shape[0], slot_map.shape[0]
+    assert experts.dtype == torch.int64 and slot_map.dtype == torch.int32, (experts.dtype, slot_map.dtype)
+    device = experts.device
+    order = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
+    sorted_experts = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
+    rows = pairs // block_m + min(pairs, n_experts)
+    table = torch.empty((rows, 3), dtype=torch.int32, device=device)  # [B, 3]
+    if pairs:
+        from inference.kernels import dispatch_triton
+
+        assert triton_module() is not None, "device_dispatch without triton: check fused_unavailable_reason first"
+        dispatch_triton.moe_dispatch_kernel[(1,)](
+            experts.contiguous(), slot_map, order, sorted_experts, table, misses if misses is not None else slot_map,
+            pairs, n_experts, rows, BLOCK_M=block_m, EP=1 << max(0, (n_experts - 1).bit_length()),
+            CHUNK=DISPATCH_CHUNK, COUNT_MISSES=misses is not None, num_warps=8)
+    return Dispatch(order, sorted_experts, GemmBlocks(table, block_m))
 
 
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,

@@ -17,7 +17,7 @@ from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
 from inference.experts.storaged_source import ResidentLookup
-from inference.kernels.ops import (GEMV_TYPES, HostSlots, device_gemm_blocks, gemm_blocks, gemv_weight, moe_combine,
+from inference.kernels.ops import (GEMV_TYPES, HostSlots, device_dispatch, gemm_blocks, gemv_weight, moe_combine,
                                   moe_gemm, moe_gemv)
 from inference.model import load_model
 from packformat import ElementType, Role, RoleEntry
@@ -270,7 +270,7 @@ class WholeArenaSource(LocalPackSource):
 
 
 # Under the interpreter a grouped case takes 10-20 s: "grouped" keeps the grouped GEMM in the fast
-# loop, test_device_gemm_blocks_equal_the_host_table the device block table; the variants of them
+# loop, test_device_dispatch_equals_a_stable_sort_and_the_host_table the device block table; the variants of them
 # run with -m slow.
 @pytest.mark.parametrize("tokens, source", [
     (1, LocalPackSource), (40, LocalPackSource), pytest.param(40, ThreeSlotSource, marks=pytest.mark.slow),
@@ -299,25 +299,37 @@ def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     assert (fused - exact).abs().max() <= 2 * 2**-7 * exact.abs().max()
 
 
-@pytest.mark.parametrize("routing", [
-    [[0, 1], [1, 2], [2, 0], [0, 1], [3, 1]],  # a few experts, one of them unused
-    [[5, 1]] * 9,  # two experts, each with more pairs than a block (4)
-    [[e, (e + 1) % 8] for e in range(8)],  # every expert
-    [[7, 6]],  # fewer pairs than experts, only the last ones
-], ids=["some", "blocks spanning", "every expert", "the last experts"])
-def test_device_gemm_blocks_equal_the_host_table(routing):
-    """The block table built on the device (no host sync) lists the host table's blocks, in its
-    order, then only empty blocks, as many rows as any routing of S pairs can need."""
+@pytest.mark.parametrize("routing, slots", [
+    ([[0, 1], [1, 2], [2, 0], [0, 1], [3, 1]], None),  # a few experts, one of them unused
+    ([[5, 1]] * 9, None),  # two experts, each with more pairs than a block (4)
+    ([[e, (e + 1) % 8] for e in range(8)], None),  # every expert
+    ([[7, 6]], None),  # fewer pairs than experts, only the last ones
+    ([[2, 5], [5, 6], [2, 3]], [3, -1, 0, 7, 1, -1, 8, 5]),  # absent experts: counted, slot 0
+    ("random", None),  # more pairs than the program's chunk, and than its block chunk
+], ids=["some", "blocks spanning", "every expert", "the last experts", "absent", "many"])
+def test_device_dispatch_equals_a_stable_sort_and_the_host_table(routing, slots):
+    """The pairs sorted by expert in one program equal torch's stable sort; its block table lists
+    the host table's blocks, in its order, then only empty blocks, as many rows as any routing of
+    S pairs can need; the pairs of absent experts are counted."""
+    experts_count = 8
+    if routing == "random":
+        generator = torch.Generator().manual_seed(3)
+        experts_count = 40
+        routing = torch.stack([torch.randperm(experts_count, generator=generator)[:6] for _ in range(50)]).tolist()
     top_k_index = torch.tensor(routing)
-    slot_map = torch.tensor([3, 9, 0, 7, 1, 2, 8, 5], dtype=torch.int32)
-    sorted_experts, _ = torch.sort(top_k_index.reshape(-1), stable=True)
+    slot_map = torch.tensor(slots or [(3 * e + 1) % 11 for e in range(experts_count)], dtype=torch.int32)
+    sorted_experts, order = torch.sort(top_k_index.reshape(-1), stable=True)
     ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
-    host = gemm_blocks(slot_map[ids].tolist(), counts.tolist(), block_m=4).table
-    device = device_gemm_blocks(sorted_experts, slot_map, block_m=4).table
+    host = gemm_blocks(slot_map[ids].clamp(min=0).tolist(), counts.tolist(), block_m=4).table
+    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = device_dispatch(top_k_index.reshape(-1).to(DEVICE), slot_map.to(DEVICE), misses, block_m=4)
     pairs = top_k_index.numel()
-    assert device.dtype == torch.int32 and device.shape == (pairs // 4 + min(pairs, 8), 3)
-    assert torch.equal(device[: len(host)], host)
-    assert device[len(host):, 2].eq(0).all()
+    assert torch.equal(got.order.cpu(), order) and torch.equal(got.sorted_experts.cpu(), sorted_experts)
+    table = got.blocks.table.cpu()
+    assert table.dtype == torch.int32 and table.shape == (pairs // 4 + min(pairs, experts_count), 3)
+    assert torch.equal(table[: len(host)], host)
+    assert table[len(host):, 2].eq(0).all()
+    assert int(misses.item()) == int((slot_map[top_k_index.reshape(-1)] < 0).sum())
 
 
 def test_fused_is_refused_where_it_cannot_run_and_auto_stays_exact(monkeypatch):
