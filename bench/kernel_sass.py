@@ -103,7 +103,7 @@ def measure(type_names: list[str], shapes: list[tuple[int, int]], kernel_name: s
         for rows, warps in shapes:
             if kernel_name == "gemv":
                 constants = dict(QT=code, NB=blocks_per_step, RANK=rank, BLOCK_N=rows, WR=1, INTERP=False, TOP_K=8,
-                                 X_PER_PAIR=False, COUNT_MISSES=False, CHANNELS=0)
+                                 X_PER_PAIR=False, COUNT_MISSES=False)
             else:  # the prefill's up projection (tokens gathered), as ops.moe_gemm launches it
                 constants = dict(QT=code, NB=blocks_per_step, BLOCK_M=ops.GEMM_BLOCK_M, BLOCK_N=rows, TOP_K=8,
                                  GATHER_TOKENS=True, WR=1, INTERP=False, SPLIT=not whole, PARTS=ops.GEMM_PARTS[code])

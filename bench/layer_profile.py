@@ -378,7 +378,6 @@ def _run_mode(mode: str, args, model, device: torch.device, dtype: torch.dtype, 
                 "threads": pool.threads, "kernel": pool.kernel, "share": share_timed,
                 "share_tuned": cpu_experts.share is None, "share_moves": shared.share_moves, "jobs": jobs,
                 "failed_jobs": pool_after.failed_jobs - pool_before.failed_jobs,
-                "split_pairs_per_job": (pool_after.split_pairs - pool_before.split_pairs) / max(1, jobs),
                 "us_per_job": 1e6 * (pool_after.busy_seconds - pool_before.busy_seconds) / max(1, jobs)}
         if agent is not None:  # the copy agent's jobs (one a layer with copies) over the profiled steps
             agent_after = agent.stats()

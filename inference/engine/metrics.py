@@ -124,8 +124,6 @@ class _CpuExpertsCollector:
                 ("cpu_experts_failed_jobs", "Jobs the CPU experts pool refused as malformed (the step was redone "
                                             "on the acquire path)", stats.failed_jobs),
                 ("cpu_experts_busy_seconds", "Seconds the CPU experts pool spent on jobs", stats.busy_seconds),
-                ("cpu_experts_split_pairs", "Pairs of which the CPU experts pool computed an expert's first "
-                                            "intermediate channels, the GPU the others", stats.split_pairs),
                 ("cpu_experts_share_moves", "Times the share's tuner moved the CPU experts' share",
                  shared.share_moves)):
             family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])

@@ -2,19 +2,12 @@
 
 With storaged's host tier read in place (inference.experts.host_reads), the host-tier experts of
 a decode step cross the link: about 40-50 GB/s, the bound of a step at a 50% + 50% budget. The
-CPU's cores read host memory too, so a share of each layer's host-tier experts is computed by a
-pool of CPU threads (inference.kernels.host_experts) while the GPU computes the rest, its VRAM
-experts and the other host-tier ones (inference.kernels.handoff), one handoff a layer:
+CPU's cores read host memory too, so a share of each layer's host-tier experts is computed whole
+by a pool of CPU threads (inference.kernels.host_experts) while the GPU computes the rest, its
+VRAM experts and the other host-tier ones (inference.kernels.handoff), one handoff a layer:
 
     the device posts x and the CPU's pairs -> the GPU's gate/up GEMVs, activation, down GEMVs of
     the other pairs -> collect: the CPU's down rows into the GPU's -> the combine
-
-The share is cut in steps of an expert's intermediate channels (CHANNEL_STEP, 256): the CPU takes
-the lowest-id host-tier experts whole and the first channels of the next one, whose other
-channels the GPU computes (the activation is per channel, the down projection a sum over them:
-the two partial sums add up to the expert's row, rounded once more). Whole experts alone would
-leave the two sides unbalanced: a layer uses about four host-tier experts, so the CPU's share could
-only move by a quarter of the layer's host bytes.
 
 The CPU's rows equal the GPU's but for float32 summation order (bf16-rounded weights, float32
 sums, bf16 results) and its activation: SiLU(gate) * up rounded as torch's bfloat16 ops round,
@@ -40,7 +33,7 @@ import torch
 
 from inference.experts.share_tuner import ShareTuner
 from inference.kernels import handoff
-from inference.kernels.host_experts import CHANNEL_STEP, HostExpertsPool, HostExpertsUnavailable, readable
+from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, readable
 
 log = logging.getLogger(__name__)
 # where the tuner starts (and the share when tuning is off): measured on the H200 host (12 threads,
@@ -77,10 +70,8 @@ class CpuShare:
     kind: int  # the pool's expert kind of the layer
     share: torch.Tensor  # int32 [2] on the device: numerator, denominator of the host-tier experts taken
     gpu_map: torch.Tensor  # int32 [E]: scratch, static for graph capture
-    cpu_pairs: torch.Tensor  # int32 [max pairs]: handoff.PAIR_* of each pair
+    cpu_pairs: torch.Tensor  # int32 [max pairs]
     max_pairs: int
-    channels: torch.Tensor  # int32 [max pairs]: a split pair's CPU channels, where the GPU's GEMVs start
-    steps: int  # CHANNEL_STEPs of the layer's intermediate channels (ceil(I / CHANNEL_STEP))
     timeout_ns: int = TIMEOUT_NS
     copies: handoff.CopyBox | None = None  # the copy agent's, shared by the layers (None: read in place)
     copy_map: torch.Tensor | None = None  # int32 [E]: scratch, static for graph capture (with copies)
@@ -95,8 +86,6 @@ def why_not(binding, dtype: torch.dtype) -> str | None:
         return f"layer {binding.layer}: the CPU kernels compute bfloat16 models, not {dtype}"
     if fused.up_biases or fused.down_bias is not None:
         return f"layer {binding.layer}: biases"
-    if fused.up_layout != "concat":  # the pool and the channel split read gate rows, then up rows
-        return f"layer {binding.layer}: gate/up rows {fused.up_layout}, not gate then up"
     for weights in (fused.up, (fused.down,)):
         why = readable(weights)
         if why is not None:
@@ -152,7 +141,6 @@ class CpuExperts:
         self.share_moves = 0  # times the tuner changed the share
         box = handoff.Mailbox.of(self.pool, device)
         cpu_pairs = torch.zeros(max_pairs, dtype=torch.int32, device=device)
-        channels = torch.zeros(max_pairs, dtype=torch.int32, device=device)
         self.layers: dict[int, CpuShare] = {}
         self.agent = None
         try:
@@ -170,9 +158,8 @@ class CpuExperts:
                 experts = binding.plan.target.num_experts
                 gpu_map = torch.empty(experts, dtype=torch.int32, device=device)
                 copy_map = None if copies is None else torch.empty(experts, dtype=torch.int32, device=device)
-                steps = -(-binding.fused.down.cols // CHANNEL_STEP)
-                self.layers[layer] = CpuShare(box, kind, self.share, gpu_map, cpu_pairs, max_pairs, channels, steps,
-                                              copies=copies, copy_map=copy_map)
+                self.layers[layer] = CpuShare(box, kind, self.share, gpu_map, cpu_pairs, max_pairs, copies=copies,
+                                              copy_map=copy_map)
             if not self.layers:
                 raise HostExpertsUnavailable("no layer's activation is one the CPU experts compute (see the log)")
             self.pool.start()
@@ -232,24 +219,21 @@ def pair_forward_shared(cpu: CpuShare, gemv, activate, x: torch.Tensor, experts:
                         slot_map: torch.Tensor, host_first: int, top_k: int, misses: torch.Tensor | None
                         ) -> torch.Tensor:
     """[P, H] down outputs of every pair (before the combine): `gemv(x, map, per_pair, first,
-    out=None, scratch=False, channels=None)` runs the GPU's GEMVs of one projection (first:
-    gate/up, which counts misses) over the pairs whose slot in `map` is not -2 (into `out` when
-    given; with `scratch`, map's ids name the copy agent's scratch slots, HostSlots from 1; with
-    `channels`, int32 [P], a pair's intermediate channels below channels[p] left out, ops.moe_gemv),
-    `activate(gate_up)` the module's activation; the CPU's pairs' rows come from the pool (a split
-    pair's added to the GPU's partial sum), and with a copy agent (cpu.copies) the GPU's other
-    host-tier experts are read from their copies once they landed."""
+    out=None, scratch=False)` runs the GPU's GEMVs of one projection (first: gate/up, which counts
+    misses) over the pairs whose slot in `map` is not -2 (into `out` when given; with `scratch`,
+    map's ids name the copy agent's scratch slots, HostSlots from 1), `activate(gate_up)` the
+    module's activation; the CPU's pairs' rows come from the pool, and with a copy agent
+    (cpu.copies) the GPU's host-tier experts are read from their copies once they landed."""
     assert misses is not None, "the handoff reports a late CPU as a miss: a decode step's miss counter is needed"
     gpu_map = handoff.split_publish(cpu.box, x, experts, slot_map, host_first, cpu.share, kind=cpu.kind,
-                                    top_k=top_k, steps=cpu.steps, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs,
-                                    channels=cpu.channels, copies=cpu.copies, copy_map=cpu.copy_map)
-    # [P, 2I]: VRAM experts' (and in-place host ones') rows; a split pair's below its channel stale
-    gate_up = gemv(x, gpu_map, False, True, channels=cpu.channels)
+                                    top_k=top_k, gpu_map=cpu.gpu_map, cpu_pairs=cpu.cpu_pairs, copies=cpu.copies,
+                                    copy_map=cpu.copy_map)
+    gate_up = gemv(x, gpu_map, False, True)  # [P, 2I]: VRAM experts' (and in-place host ones') rows
     if cpu.copies is not None:  # the VRAM experts' GEMV ran while the copies moved
         handoff.copy_wait(cpu.copies, misses, cpu.timeout_ns)
         gemv(x, cpu.copy_map, False, True, out=gate_up, scratch=True)
-    hidden = activate(gate_up).contiguous()  # [P, I]: the CPU's pairs' rows (and channels) unused
-    down = gemv(hidden, gpu_map, True, False, channels=cpu.channels)  # [P, H]: a split pair's partial
+    hidden = activate(gate_up).contiguous()  # [P, I]: the CPU's pairs' rows unused
+    down = gemv(hidden, gpu_map, True, False)  # [P, H]
     if cpu.copies is not None:
         gemv(hidden, cpu.copy_map, True, False, out=down, scratch=True)
     handoff.collect(cpu.box, down, cpu.cpu_pairs, misses, cpu.timeout_ns)

@@ -110,7 +110,7 @@ def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: 
     if cpu is not None and host is not None and experts.shape[0] <= cpu.max_pairs:
         scratch_slots = None if cpu.copies is None else HostSlots(1, cpu.copies.scratch.data_ptr() - arena.data_ptr())
 
-        def gemv(inputs, gpu_map, per_pair, first, out=None, scratch=False, channels=None):
+        def gemv(inputs, gpu_map, per_pair, first, out=None, scratch=False):
             weights = fused.up if first else (fused.down,)
             if out is None:  # [P, rows of the projection's parts together]
                 out = inputs.new_empty(experts.shape[0], sum(w.rows for w in weights))
@@ -118,8 +118,7 @@ def pair_forward(module: torch.nn.Module, plan: LayerPlan, fused: FusedPlan, x: 
             for i, w in enumerate(weights):  # each part into its columns: no concatenation
                 moe_gemv(inputs, experts, gpu_map, arena, stride, w, top_k=top_k, x_per_pair=per_pair,
                          misses=misses if first and i == 0 and not scratch else None,
-                         host=scratch_slots if scratch else host, out=out[:, column:column + w.rows],
-                         channels=channels, channel_rows=fused.down.cols if first else 0)
+                         host=scratch_slots if scratch else host, out=out[:, column:column + w.rows])
                 column += w.rows
             return out
 

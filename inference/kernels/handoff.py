@@ -3,10 +3,9 @@ mailbox (inference.kernels.host_experts). All device work with fixed shapes and 
 decode step that hands experts to the CPU is still one CUDA graph:
 
     box = Mailbox.of(pool, device)
-    gpu_map = split_publish(box, x, experts, merged_row, host_first, share, kind=kind, top_k=k, steps=s,
-                            gpu_map=..., cpu_pairs=..., channels=...)  # the CPU starts on its pairs' experts
-    down = ... the GPU's GEMVs of the other pairs (slot -2 skipped; a split pair's channels from
-               channels[p] on), activation, GEMVs ...
+    gpu_map = split_publish(box, x, experts, merged_row, host_first, share, kind=kind, top_k=k,
+                            gpu_map=..., cpu_pairs=...)      # the CPU starts on its pairs' experts
+    down = ... the GPU's GEMVs of the other pairs (slot -2 skipped), activation, GEMVs ...
     collect(box, down, cpu_pairs, misses, timeout_ns)         # the CPU's rows into down
 
 With a copy agent (inference.kernels.copy_agent), split_publish also posts the GPU's host-tier
@@ -26,7 +25,6 @@ from inference.kernels.ops import triton_module
 SPLIT_BLOCK_C = 512
 COLLECT_BLOCK = 512
 CPU_COMPUTED = -2  # a slot-map entry the GEMV skips: the CPU computes that expert's pairs
-PAIR_GPU, PAIR_CPU, PAIR_SPLIT = 0, 1, 2  # cpu_pairs' values (handoff_triton's)
 
 
 class _Interface:
@@ -88,31 +86,27 @@ def _kernels():
 
 
 def split_publish(box: Mailbox, x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, host_first: int,
-                  share: torch.Tensor, *, kind: int, top_k: int, steps: int, gpu_map: torch.Tensor,
-                  cpu_pairs: torch.Tensor, channels: torch.Tensor, copies: CopyBox | None = None,
+                  share: torch.Tensor, *, kind: int, top_k: int, gpu_map: torch.Tensor,
+                  cpu_pairs: torch.Tensor, copies: CopyBox | None = None,
                   copy_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Hand the CPU ceil(share * n * steps) of the n host-tier experts' channel steps (each expert
-    `steps` of CHANNEL_STEP intermediate channels) that the pairs use: the lowest-id experts whole,
-    and the first channels of the next one (slot_map: int32 [E], the merged map; experts: int64 [P];
-    share: int32 [2], numerator and denominator, on the device, read when the kernel runs); post
-    x [T, H] and the job (the pool's expert `kind`) when the CPU takes anything, else no job
-    (collect then waits for none). Fills gpu_map (int32 [E]: slot_map with the CPU's whole experts
-    -2), cpu_pairs (int32 [>= P]: PAIR_GPU, PAIR_CPU or PAIR_SPLIT) and channels (int32 [>= P]: the
-    CPU's channels of a split pair, where the GPU's GEMVs start; 0 elsewhere); returns gpu_map.
+    """Hand the CPU ceil(share * n) of the n host-tier experts the pairs use (slot_map: int32 [E],
+    the merged map; experts: int64 [P]; share: int32 [2], numerator and denominator, on the device,
+    read when the kernel runs); post x [T, H] and the job (the pool's expert `kind`) when the CPU
+    takes at least one expert, else no job (collect then waits for none). Fills gpu_map
+    (int32 [E]: slot_map with the CPU's experts -2) and cpu_pairs (int32 [>= P]: 1 for the CPU's
+    pairs); returns gpu_map.
 
-    With `copies`, the GPU's other host-tier experts (up to its max_copies, lowest ids first; not a
-    split one) go to the copy agent: copy_map (int32 [E]) gets 1 + their scratch slot (-2
-    elsewhere), gpu_map -2 for them too, and the job is posted when there is at least one
-    (copy_wait then waits for it)."""
+    With `copies`, the other host-tier experts (up to its max_copies, lowest ids first) go to the
+    copy agent: copy_map (int32 [E]) gets 1 + their scratch slot (-2 elsewhere), gpu_map -2 for
+    them too, and the job is posted when there is at least one (copy_wait then waits for it)."""
     pairs, n_experts = experts.shape[0], slot_map.shape[0]
     assert x.stride(-1) == 1 and x.shape[0] <= box.x.shape[0] and x.shape[1] <= box.x.shape[1], tuple(x.shape)
-    assert pairs <= box.out.shape[0] and cpu_pairs.shape[0] >= pairs and channels.shape[0] >= pairs
-    assert steps >= 1, steps
+    assert pairs <= box.out.shape[0] and cpu_pairs.shape[0] >= pairs
     assert share.dtype == torch.int32 and share.shape == (2,), (share.dtype, tuple(share.shape))
     assert (copies is None) == (copy_map is None) and (copy_map is None or copy_map.shape[0] == n_experts)
     _kernels().split_publish_kernel[(1,)](
-        experts, slot_map, gpu_map, cpu_pairs, channels, box.words, box.x, box.x.stride(0), x, x.stride(0),
-        x.shape[0], x.shape[1], n_experts, pairs, host_first, share, steps, kind, top_k,
+        experts, slot_map, gpu_map, cpu_pairs, box.words, box.x, box.x.stride(0), x, x.stride(0), x.shape[0],
+        x.shape[1], n_experts, pairs, host_first, share, kind, top_k,
         gpu_map if copy_map is None else copy_map, box.words if copies is None else copies.words,
         cpu_pairs if copies is None else copies.count, 0 if copies is None else copies.max_copies,
         EP=triton_next_power_of_2(n_experts), PP=triton_next_power_of_2(pairs), BLOCK_C=SPLIT_BLOCK_C,
@@ -128,11 +122,10 @@ def copy_wait(copies: CopyBox, misses: torch.Tensor, timeout_ns: int) -> None:
 
 
 def collect(box: Mailbox, out: torch.Tensor, cpu_pairs: torch.Tensor, misses: torch.Tensor, timeout_ns: int) -> None:
-    """Copy the CPU's rows of the posted job into out [P, rows] (bfloat16) once the pool reports it
-    done, a split pair's added to the GPU's partial sum there; a pool that does not (in
-    timeout_ns) or refused the job adds to misses (int32 [1])."""
+    """Copy the CPU's rows of the posted job into out [P, rows] once the pool reports it done; a
+    pool that does not (in timeout_ns) or refused the job adds to misses (int32 [1])."""
     pairs, rows = out.shape
-    assert out.stride(-1) == 1 and rows <= box.out.shape[1] and out.dtype == torch.bfloat16
+    assert out.stride(-1) == 1 and rows <= box.out.shape[1]
     if pairs == 0:
         return
     _kernels().collect_kernel[(pairs,)](out, out.stride(0), rows, cpu_pairs, box.words, box.out, box.out.stride(0),

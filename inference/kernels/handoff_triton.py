@@ -1,19 +1,15 @@
 """Triton kernels of the device side of the CPU experts handoff (inference.kernels.handoff).
 
-`split_publish_kernel` (one program): picks what the CPU computes of the host-tier experts the
-pairs use, in steps of an expert's intermediate channels (CHANNEL_STEP each, `steps` an expert):
-of the n experts' n * steps, ceil(n * steps * share) (the share an int32 [2] numerator and
-denominator read from device memory at every call), that is the lowest-id experts whole and the
-first channels of the next one. It writes the GPU's slot map with the whole ones marked -2 (the
-GEMV skips them), each pair's state (0: the GPU's, 1: the CPU's, 2: split, the CPU's channels
-[0, c) and the GPU's [c, I)) and the channel c the GPU starts at, each pair's mailbox entry (host
-slot | c << 32), the hidden states, the job's header, then the ticket (a system-scope release,
-after a barrier: the pool sees every input once it sees the ticket); no job when the CPU takes
-nothing, so every job posted is one that `collect_kernel` waits for.
+`split_publish_kernel` (one program): picks the layer's experts the CPU computes (the lowest-id
+`take` of the host-tier experts the pairs use, take = ceil(n * share), the share an int32 [2]
+numerator and denominator read from device memory at every call), writes the GPU's slot map with those marked -2
+(the GEMV skips them), a device mask of the CPU's pairs, each pair's host slot into the mailbox,
+the hidden states, the job's header, then the ticket (a system-scope release, after a barrier:
+the pool sees every input once it sees the ticket); no job when the CPU takes none, so every job
+posted is one that `collect_kernel` waits for. The pool computes those experts whole.
 `collect_kernel` (a program per pair): the CPU's pairs wait until the pool reports the ticket
-done, then copy its rows into the GPU's output (a split pair's: added to the GPU's partial sum,
-rounded once more); a pool that does not answer in `timeout_ns` (or refused the job) counts a
-miss, so the caller redoes the step on the acquire path.
+done, then copy its rows into the GPU's output; a pool that does not answer in `timeout_ns`
+(or refused the job) counts a miss, so the caller redoes the step on the acquire path.
 
 The mailbox's layout is inference.kernels.host_experts's (int64 words: ticket 0, done 8,
 expert kind 16, pairs 17, top-k 18, slots from 24).
@@ -25,8 +21,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from inference.kernels import quant_dot as qd
-
 W_TICKET = tl.constexpr(0)
 W_DONE = tl.constexpr(8)
 W_PROJECTION = tl.constexpr(16)
@@ -36,9 +30,6 @@ W_SLOTS = tl.constexpr(24)
 W_COUNT = tl.constexpr(16)  # the copy agent's mailbox: its ticket is word 0 too, its slots from 24
 MARK_MASK = tl.constexpr(0x3FFFFFFF)  # inference.kernels.copy_agent's marks
 MARK_REFUSED = tl.constexpr(0x40000000)
-CHANNEL_STEP = tl.constexpr(256)  # inference.kernels.ops.CHANNEL_STEP, host_experts.c's
-PAIR_CPU = tl.constexpr(1)  # a pair's state in cpu_pair_ptr: the CPU computes the expert whole
-PAIR_SPLIT = tl.constexpr(2)  # the CPU its first channels, the GPU the others
 
 
 @triton.jit
@@ -59,8 +50,8 @@ def _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, p
 
 
 @triton.jit
-def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, chan_ptr, box_ptr, xbox_ptr, xbox_stride,
-                         x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, share_ptr, steps, kind, top_k,
+def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, box_ptr, xbox_ptr, xbox_stride,
+                         x_ptr, x_stride, x_rows, cols, n_experts, pairs, host_first, share_ptr, kind, top_k,
                          copy_map_ptr, cbox_ptr, copy_count_ptr, max_copies,
                          EP: tl.constexpr, PP: tl.constexpr, BLOCK_C: tl.constexpr, COPY: tl.constexpr):
     e = tl.arange(0, EP)
@@ -74,13 +65,10 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, chan_pt
     hosted = (used & (slot >= host_first)).to(tl.int32)
     take_num = tl.load(share_ptr)  # the share, read at every call (a captured graph sees it change)
     take_den = tl.load(share_ptr + 1)
-    take = (tl.sum(hosted) * steps * take_num + take_den - 1) // take_den  # channel steps
-    whole, rest = take // steps, take % steps
-    rank = tl.cumsum(hosted, 0)  # [EP] 1.. over the host-tier experts
-    cpu = (hosted > 0) & (rank <= whole)  # [EP] the lowest-id `whole` host-tier experts
-    split = (hosted > 0) & (rank == whole + 1) & (rest > 0)  # [EP] the next one's first `rest` steps
+    take = (tl.sum(hosted) * take_num + take_den - 1) // take_den
+    cpu = (hosted > 0) & (tl.cumsum(hosted, 0) <= take)  # [EP] the lowest-id `take` host-tier experts
     if COPY:  # the GPU's host-tier experts go to the copy agent, as many as its scratch holds
-        copying = ((hosted > 0) & (cpu == 0) & (split == 0)).to(tl.int32)  # a split one is read in place
+        copying = ((hosted > 0) & (cpu == 0)).to(tl.int32)
         order = tl.cumsum(copying, 0) - 1  # [EP] scratch slot of each copied expert
         copied = (copying > 0) & (order < max_copies)  # [EP] the others are read in place
         tl.store(copy_map_ptr + e, tl.where(copied, order + 1, -2), mask=emask)  # scratch ids from 1 (HostSlots)
@@ -96,16 +84,12 @@ def split_publish_kernel(expert_ptr, map_ptr, gpu_map_ptr, cpu_pair_ptr, chan_pt
     else:
         tl.store(gpu_map_ptr + e, tl.where(cpu, -2, slot), mask=emask)
     pair_cpu = tl.sum((hit & cpu[:, None]).to(tl.int32), axis=0)  # [PP] 0 or 1
-    pair_split = tl.sum((hit & split[:, None]).to(tl.int32), axis=0)  # [PP] 0 or 1
     pair_slot = tl.sum(tl.where(hit, slot[:, None], 0), axis=0)  # [PP] the slot of the pair's one expert
-    channels = pair_split * rest * CHANNEL_STEP  # [PP] the split pairs' CPU channels, 0 elsewhere
-    tl.store(cpu_pair_ptr + p, pair_cpu * PAIR_CPU + pair_split * PAIR_SPLIT, mask=pmask)
-    tl.store(chan_ptr + p, channels, mask=pmask)
-    entry = (pair_slot - host_first).to(tl.int64) | (channels.to(tl.int64) << 32)  # host_experts.c's
-    tl.store(box_ptr + W_SLOTS + p, tl.where(pair_cpu + pair_split > 0, entry, -1), mask=pmask)
+    tl.store(cpu_pair_ptr + p, pair_cpu, mask=pmask)
+    tl.store(box_ptr + W_SLOTS + p, tl.where(pair_cpu > 0, pair_slot - host_first, -1).to(tl.int64), mask=pmask)
     # Only a job the collect will wait for is posted: an unawaited one would let the next layer's
     # post overwrite the mailbox while the pool still reads it (it would serve one of the two).
-    if tl.sum(pair_cpu + pair_split) > 0:
+    if tl.sum(pair_cpu) > 0:
         _post(box_ptr, xbox_ptr, xbox_stride, x_ptr, x_stride, x_rows, cols, kind, pairs, top_k, BLOCK_C)
 
 
@@ -135,13 +119,9 @@ def collect_kernel(out_ptr, out_stride, rows, cpu_pair_ptr, box_ptr, obox_ptr, o
     if done != ticket:  # late or refused: the step is redone on the acquire path
         tl.atomic_add(miss_ptr, 1)
         return
-    split = tl.load(cpu_pair_ptr + p) == PAIR_SPLIT
     for n0 in range(0, rows, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         v = tl.load(obox_ptr + p * obox_stride + n, mask=n < rows, volatile=True)
-        if split:  # the CPU's partial sum plus the GPU's, rounded to the model's bfloat16
-            mine = tl.load(out_ptr + p * out_stride + n, mask=n < rows).to(tl.float32)
-            v = qd.round_weights(v.to(tl.float32) + mine, 1, True).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + p * out_stride + n, v, mask=n < rows)
 
 

@@ -5,15 +5,11 @@
  * device side):
  *   the device writes a job's inputs into the mailbox (the expert kind id, the pairs' host slots,
  *   the hidden states in bfloat16), then the job's ticket with a system-scope release;
- *   the pool's leader sees the ticket and runs, for every pair with a slot >= 0, the expert in
- *   three phases the threads share: gate/up rows (W_up(slot) . x[p / top_k], into scratch), the
- *   activation (SiLU(gate) * up, with the kind's clamp if any), the down rows into the mailbox's
- *   output; then it writes `done` = ticket (or -ticket when the job named a slot outside the host
- *   tier, an unknown kind or a bad channel count), and the device, spinning on `done`, takes the rows.
- *   A pair's slot word holds the host slot in its low 32 bits and, in its high 32 bits, c: 0 for
- *   the whole expert, else the pool computes intermediate channels [0, c) only (gate and up rows
- *   [0, c), their activation, and down's columns [0, c): a partial sum of the down rows, to which
- *   the device adds its own over [c, I)); c is a multiple of CHANNEL_STEP below I.
+ *   the pool's leader sees the ticket and runs, for every pair with a slot >= 0, the whole expert
+ *   in three phases the threads share: gate/up rows (W_up(slot) . x[p / top_k], into scratch),
+ *   the activation (SiLU(gate) * up, with the kind's clamp if any), the down rows into the
+ *   mailbox's output; then it writes `done` = ticket (or -ticket when the job named a slot outside
+ *   the host tier or an unknown kind), and the device, spinning on `done`, copies the rows.
  *
  * Arithmetic equals the GPU's GEMV (inference/kernels/moe_triton.py) but for the order of the
  * float32 additions: each weight dequantized as gguf-py does (no FMA contraction: build with
@@ -37,7 +33,7 @@
 #include "mailbox_wait.h"  /* PAUSE, now_ns, SPIN_NS, next_ticket */
 
 enum { KIND_Q4_K = 1, KIND_MXFP4 = 2 };
-enum { MAX_SEGMENTS = 2, ITEM_ROWS = 32, CHANNEL_STEP = 256 };
+enum { MAX_SEGMENTS = 2, ITEM_ROWS = 32 };
 /* mailbox words (int64): each hot word on a cache line of its own */
 enum { W_TICKET = 0, W_DONE = 8, W_PROJECTION = 16, W_PAIRS = 17, W_TOP_K = 18, W_SLOTS = 24 };
 
@@ -76,7 +72,7 @@ struct pool {
     pthread_t *handles;
     worker_t *workers;
     /* the phase being served: written by the leader before it publishes `job` (release) */
-    int64_t job_pairs[1024], job_channels[1024], job_count, job_items, job_items_per_pair;  /* channels: c of each */
+    int64_t job_pairs[1024], job_count, job_items, job_items_per_pair;
     int32_t job_phase;
     const expert_kind_t *job_kind;
     const projection_t *job_projection;
@@ -94,7 +90,7 @@ struct pool {
     pthread_mutex_t mutex;
     pthread_cond_t wake;
     /* statistics */
-    _Atomic int64_t jobs, failed_jobs, busy_ns, split_pairs;  /* split: pairs of an expert's first channels */
+    _Atomic int64_t jobs, failed_jobs, busy_ns;
 };
 
 static inline volatile int64_t *word(pool_t *p, int index) { return (volatile int64_t *)p->mailbox + index; }
@@ -392,11 +388,10 @@ static inline const uint8_t *projection_row(const projection_t *projection, cons
                                     : seg->second_offset + (n - seg->split) * seg->row_bytes);
 }
 
-/* rows [first, first + count) of `projection` for one object over its columns [0, cols) (all of
- * them, or a multiple of its blocks), x one row of bfloat16; rows of one element kind go to the
- * kernels ROWS_AT_ONCE at a time */
+/* rows [first, first + count) of `projection` for one object, x one row of cols bfloat16; rows of
+ * one element kind go to the kernels ROWS_AT_ONCE at a time */
 static void project_rows(const projection_t *projection, const uint8_t *object, const uint16_t *x,
-                         int64_t first, int64_t count, int64_t cols, uint16_t *out) {
+                         int64_t first, int64_t count, uint16_t *out) {
     const int64_t end = first + count < projection->rows ? first + count : projection->rows;
     for (int64_t n = first; n < end;) {
         const uint8_t *rows[ROWS_AT_ONCE];
@@ -409,8 +404,8 @@ static void project_rows(const projection_t *projection, const uint8_t *object, 
             rows[group++] = row;
         }
         float y[ROWS_AT_ONCE];
-        if (kind == KIND_Q4_K) q4k_rows(rows, group, cols, x, y);
-        else mxfp4_rows(rows, group, cols, x, y);
+        if (kind == KIND_Q4_K) q4k_rows(rows, group, projection->cols, x, y);
+        else mxfp4_rows(rows, group, projection->cols, x, y);
         for (int i = 0; i < group; i++) out[n + i] = float_to_bf16(y[i]);
         n += group;
     }
@@ -430,38 +425,24 @@ static inline uint16_t activate_one(const expert_kind_t *kind, uint16_t gate, ui
     return float_to_bf16(silu * u);
 }
 
-/* hidden[first, first + count) (below end <= n) from a gate/up row of 2n: gate first, up second */
+/* hidden[0, n) from a gate/up row of 2n: gate first, up second */
 static void activate_row(const expert_kind_t *kind, const uint16_t *gate_up, int64_t n, int64_t first, int64_t count,
-                         int64_t end, uint16_t *hidden) {
-    for (int64_t i = first; i < first + count && i < end; i++)
-        hidden[i] = activate_one(kind, gate_up[i], gate_up[n + i]);
+                         uint16_t *hidden) {
+    for (int64_t i = first; i < first + count && i < n; i++) hidden[i] = activate_one(kind, gate_up[i], gate_up[n + i]);
 }
 
-/* Item i of the phase: rows (or activations) [ITEM_ROWS * (i % per_pair), ...) of the (i / per_pair)-th
- * pair, within its channels [0, c): gate rows [0, c), up rows [I, I + c), down over columns [0, c). */
+/* Item i of the phase: rows (or activations) [ITEM_ROWS * (i % per_pair), ...) of the (i / per_pair)-th pair. */
 static void run_item(pool_t *p, int64_t item) {
-    const int64_t index = item / p->job_items_per_pair;
-    const int64_t pair = p->job_pairs[index], channels = p->job_channels[index];
+    const int64_t pair = p->job_pairs[item / p->job_items_per_pair];
     const int64_t part = item % p->job_items_per_pair;
-    const int64_t n = p->job_kind->down.cols;  /* I */
     const uint16_t *x = p->job_x + (pair / p->job_x_div) * p->job_x_stride;
     uint16_t *out = p->job_out + pair * p->job_out_stride;
     if (p->job_phase == PHASE_ACTIVATE) {
-        activate_row(p->job_kind, x, n, part * ACTIVATE_CHUNK, ACTIVATE_CHUNK, channels, out);
+        activate_row(p->job_kind, x, p->job_kind->down.cols, part * ACTIVATE_CHUNK, ACTIVATE_CHUNK, out);
         return;
     }
-    const uint8_t *object = p->host + (word(p, W_SLOTS)[pair] & 0xFFFFFFFF) * p->slot_bytes;
-    const int64_t first = part * ITEM_ROWS, end = first + ITEM_ROWS;
-    if (p->job_projection == &p->job_kind->down) {
-        project_rows(p->job_projection, object, x, first, ITEM_ROWS, channels, out);
-        return;
-    }
-    /* gate/up: the item's rows that are gate channels below c, then those that are up channels below c */
-    const int64_t gate_end = end < channels ? end : channels;
-    const int64_t cols = p->job_projection->cols;
-    if (first < gate_end) project_rows(p->job_projection, object, x, first, gate_end - first, cols, out);
-    const int64_t up_first = first > n ? first : n, up_end = end < n + channels ? end : n + channels;
-    if (up_first < up_end) project_rows(p->job_projection, object, x, up_first, up_end - up_first, cols, out);
+    const int64_t slot = word(p, W_SLOTS)[pair];
+    project_rows(p->job_projection, p->host + slot * p->slot_bytes, x, part * ITEM_ROWS, ITEM_ROWS, out);
 }
 
 /* Claim and run items of phase `job` until none is left (or another phase began). */
@@ -482,20 +463,14 @@ static void serve(pool_t *p, int64_t job) {
 static int prepare(pool_t *p) {
     const int64_t kind = word(p, W_PROJECTION)[0], pairs = word(p, W_PAIRS)[0], top_k = word(p, W_TOP_K)[0];
     if (kind < 0 || kind >= p->kind_count || pairs < 0 || pairs > p->max_pairs || top_k < 1) return 0;
-    const int64_t intermediate = p->kinds[kind].down.cols;
-    int64_t count = 0, split = 0;
+    int64_t count = 0;
     for (int64_t i = 0; i < pairs; i++) {
-        const int64_t entry = word(p, W_SLOTS)[i];
-        if (entry < 0) continue;
-        const int64_t slot = entry & 0xFFFFFFFF, channels = entry >> 32;
+        const int64_t slot = word(p, W_SLOTS)[i];
+        if (slot < 0) continue;
         if (slot >= p->host_slots) return 0;
-        if (channels != 0 && (channels % CHANNEL_STEP != 0 || channels >= intermediate)) return 0;
-        p->job_channels[count] = channels != 0 ? channels : intermediate;
         p->job_pairs[count++] = i;
-        split += channels != 0;
     }
     p->job_kind = &p->kinds[kind];
-    atomic_fetch_add(&p->split_pairs, split);
     p->job_count = count;
     return 1;
 }
@@ -672,7 +647,7 @@ int host_experts_activate(pool_t *p, int32_t id, int64_t rows, const uint16_t *g
     if (id < 0 || id >= p->kind_count) return -1;
     const expert_kind_t *kind = &p->kinds[id];
     const int64_t n = kind->down.cols;
-    for (int64_t r = 0; r < rows; r++) activate_row(kind, gate_up + r * 2 * n, n, 0, n, n, hidden + r * n);
+    for (int64_t r = 0; r < rows; r++) activate_row(kind, gate_up + r * 2 * n, n, 0, n, hidden + r * n);
     return 0;
 }
 
@@ -696,12 +671,11 @@ int host_experts_start(pool_t *p, int threads) {
     return 0;
 }
 
-/* jobs served, jobs refused (malformed), nanoseconds the leader spent serving, split pairs served */
+/* jobs served, jobs refused (malformed), nanoseconds the leader spent serving */
 void host_experts_stats(pool_t *p, int64_t *out) {
     out[0] = atomic_load(&p->jobs);
     out[1] = atomic_load(&p->failed_jobs);
     out[2] = atomic_load(&p->busy_ns);
-    out[3] = atomic_load(&p->split_pairs);
 }
 
 void host_experts_destroy(pool_t *p) {

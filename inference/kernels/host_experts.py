@@ -12,15 +12,12 @@ reports it done (inference.kernels.handoff launches the device side):
     pool.start()
     out = pool.run(kind, slots=[3, -1], x=x, top_k=2)      # host-side job (tests): [pairs, H] bf16
 
-The pool computes experts whole (gate/up, the activation, down), or their first c intermediate
-channels (then its down rows are a partial sum, the device adding its own over the others): one
-handoff a layer.
+The pool computes whole experts (gate/up, the activation, down): one handoff a layer.
 
 Mailbox (bytes): int64 words: the ticket (word 0, written last by the device), `done` (word 8,
-the pool), the expert kind id, pair count and top-k (words 16-18), then each pair's entry from word
-24 on: -1 (not the CPU's), or its host slot | c << 32 (c 0: the whole expert, else a multiple of
-CHANNEL_STEP below I); then x rows (bfloat16 [max_pairs, max_cols]: hidden states) and the outputs
-(bfloat16 [max_pairs, max_rows]: the experts' down rows).
+the pool), the expert kind id, pair count and top-k (words 16-18), then each pair's host slot (-1:
+not the CPU's) from word 24 on; then x rows (bfloat16 [max_pairs, max_cols]: hidden states) and
+the outputs (bfloat16 [max_pairs, max_rows]: the experts' down rows).
 
 The library is compiled on first use with the system C compiler for this CPU (-march=native) and
 cached by the hash of its source and flags; HostExpertsUnavailable names what is missing.
@@ -50,12 +47,6 @@ KINDS = {ElementType.Q4_K: 1, ElementType.MXFP4: 2}
 HOST_TYPES = frozenset(KINDS)
 W_TICKET, W_DONE, W_PROJECTION, W_PAIRS, W_TOP_K, W_SLOTS = 0, 8, 16, 17, 18, 24
 MAX_PAIRS = 1024  # host_experts.c's job table
-CHANNEL_STEP = 256  # host_experts.c's: a pair's channel count is a multiple of it (a Q4_K block, 8 MXFP4 blocks)
-
-
-def slot_entry(slot: int, channels: int = 0) -> int:
-    """A pair's mailbox entry: host `slot`, the whole expert (channels 0) or its channels [0, channels)."""
-    return slot | channels << 32
 
 
 class HostExpertsUnavailable(RuntimeError):
@@ -129,7 +120,6 @@ class HostExpertsStats:
     jobs: int  # jobs served
     failed_jobs: int  # jobs refused as malformed (the device then redoes the step)
     busy_seconds: float  # the leader's time from seeing a ticket to reporting it done
-    split_pairs: int  # pairs of which it computed an expert's first channels only (the GPU the others)
 
 
 class HostExpertsPool:
@@ -208,24 +198,20 @@ class HostExpertsPool:
         self.started = True
 
     def stats(self) -> HostExpertsStats:
-        out = (ctypes.c_int64 * 4)()
+        out = (ctypes.c_int64 * 3)()
         self.lib.host_experts_stats(self._pool, ctypes.addressof(out))
-        return HostExpertsStats(out[0], out[1], out[2] / 1e9, out[3])
+        return HostExpertsStats(out[0], out[1], out[2] / 1e9)
 
     def run(self, kind: int, slots: Sequence[int], x: torch.Tensor, top_k: int,
-            timeout: float = 10.0, channels: Sequence[int] | None = None) -> torch.Tensor:
+            timeout: float = 10.0) -> torch.Tensor:
         """One job from the host (tests and tools; the device posts its own): bf16 [pairs, H] with
         row p = the expert at host slot slots[p] applied to x[p // top_k] where slots[p] >= 0
-        (other rows untouched); with `channels`, pair p's intermediate channels [0, channels[p])
-        only (0: all of them)."""
+        (other rows untouched)."""
         pairs = len(slots)
         assert self.started and 0 < pairs <= self.max_pairs and x.dtype == torch.bfloat16
-        channels = channels or [0] * pairs
-        assert len(channels) == pairs
         self.x[: x.shape[0], : x.shape[1]] = x
         words = self.words
-        entries = [s if s < 0 else slot_entry(s, c) for s, c in zip(slots, channels, strict=True)]
-        words[W_SLOTS:W_SLOTS + pairs] = torch.tensor(entries, dtype=torch.int64)
+        words[W_SLOTS:W_SLOTS + pairs] = torch.tensor(list(slots), dtype=torch.int64)
         words[W_PROJECTION], words[W_PAIRS], words[W_TOP_K] = kind, pairs, top_k
         ticket = int(words[W_TICKET]) + 1
         words[W_TICKET] = ticket  # after the inputs: a plain store, ordered on x86
@@ -235,9 +221,8 @@ class HostExpertsPool:
                 raise HostExpertsUnavailable(f"the CPU experts pool did not answer job {ticket} in {timeout} s")
             time.sleep(0)
         if int(words[W_DONE]) == -ticket:
-            raise HostExpertsUnavailable(f"the CPU experts pool refused job {ticket} (a slot outside the host tier, "
-                                         "an unknown expert kind or a channel count not a multiple of "
-                                         f"{CHANNEL_STEP} below the intermediate size)")
+            raise HostExpertsUnavailable(f"the CPU experts pool refused job {ticket} (a slot outside the host tier "
+                                         "or an unknown expert kind)")
         return self.out[:pairs, : self.kind_rows[kind]].clone()
 
     def close(self) -> None:

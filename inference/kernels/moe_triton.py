@@ -29,8 +29,7 @@ _COMMON_ARGUMENT_TYPES = {
     "off2": "i32", "n_split": "i32", "row_bytes": "i32", "nblk": "i32", "out_stride": "i32", "N": "i32",
     "host_first": "i32", "host_delta": "i64"}  # a host tier: its distance is 64-bit
 GEMM_ARGUMENT_TYPES = {**_COMMON_ARGUMENT_TYPES, "order_ptr": "*i64", "blocks_ptr": "*i32"}
-GEMV_ARGUMENT_TYPES = {**_COMMON_ARGUMENT_TYPES, "expert_ptr": "*i64", "map_ptr": "*i32", "miss_ptr": "*i32",
-                       "chan_ptr": "*i32", "chan_span": "i32"}
+GEMV_ARGUMENT_TYPES = {**_COMMON_ARGUMENT_TYPES, "expert_ptr": "*i64", "map_ptr": "*i32", "miss_ptr": "*i32"}
 
 # Kernel type codes (the QT constexpr): each type's inference.dequant.registry.FusedKernel.code,
 # checked against ops.KERNEL_CODES on import of inference.kernels.ops.
@@ -61,10 +60,10 @@ def _dot(QT: tl.constexpr, acc, row, kb, nblk, x_row, rmask, NB: tl.constexpr, W
 
 @triton.jit
 def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, slot_bytes, host_first, host_delta,
-                    off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N, chan_ptr, chan_span,
+                    off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
                     QT: tl.constexpr, NB: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
                     WR: tl.constexpr, INTERP: tl.constexpr, TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr,
-                    COUNT_MISSES: tl.constexpr, CHANNELS: tl.constexpr):
+                    COUNT_MISSES: tl.constexpr):
     """out[p, n] = sum_k W[n, k] x[row, k] with W the weight of pair p's expert, row = p's token
     (p // TOP_K), or p itself when X_PER_PAIR (x holds one row per pair).
 
@@ -76,12 +75,6 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     instead: the result is garbage, and the caller, who sees the count, discards it. A slot
     >= host_first is host tier slot (slot - host_first), read in place over the link at byte
     host_delta + (slot - host_first) * slot_bytes from the arena's start (host_delta may be < 0).
-
-    CHANNELS (the CPU computes intermediate channels [0, c) of pair p, c = chan_ptr[p], and this
-    program the others; c = 0: all here): 1, W's rows are channels (row n is channel n % chan_span,
-    gate/up), and a program whose rows are all channels below c writes nothing; 2, W's columns
-    are channels (down: chan_span elements a block, c a multiple of a step's columns), and the sum
-    runs over columns [c, K) only.
     """
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
@@ -89,16 +82,6 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     slot = tl.load(map_ptr + tl.load(expert_ptr + p))
     if slot == -2:  # the CPU computes this pair (inference.kernels.handoff): its row is written there
         return
-    kb0 = 0  # the first block of the sum
-    if CHANNELS == 1:
-        first_row = tl.program_id(1) * BLOCK_N
-        last_row = tl.minimum(first_row + BLOCK_N, N) - 1
-        first_channel, last_channel = first_row % chan_span, last_row % chan_span
-        # the rows' channels are one run (no wrap past chan_span) wholly below c: the CPU's
-        if (last_row - first_row < chan_span) & (first_channel <= last_channel) & (last_channel < tl.load(chan_ptr + p)):
-            return
-    elif CHANNELS == 2:
-        kb0 = tl.load(chan_ptr + p) // chan_span
     if COUNT_MISSES:
         tl.atomic_add(miss_ptr, 1, mask=(slot < 0) & (tl.program_id(1) == 0))
     slot = tl.maximum(slot, 0).to(tl.int64)
@@ -118,14 +101,9 @@ def moe_gemv_kernel(x_ptr, x_stride, expert_ptr, map_ptr, miss_ptr, arena_ptr, s
     x_row = x_ptr + token * x_stride
     rmask = tl.full([BLOCK_N, 1], 1, tl.int1)
     # products accumulate as a tile; one reduction after the loop, not one per step
-    if CHANNELS == 2:  # the columns from block kb0 (a multiple of NB) on
-        acc = _dot(QT, 0.0, row, kb0, nblk, x_row, rmask, NB, WR, INTERP)
-        for kb in range(kb0 + NB, nblk, NB):
-            acc = _dot(QT, acc, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
-    else:
-        acc = _dot(QT, 0.0, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
-        for kb in range(NB, nblk, NB):
-            acc = _dot(QT, acc, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
+    acc = _dot(QT, 0.0, row, 0, nblk, x_row, rmask, NB, WR, INTERP)
+    for kb in range(NB, nblk, NB):
+        acc = _dot(QT, acc, row, kb, nblk, x_row, rmask, NB, WR, INTERP)
     # the matmul's output dtype is the model's: round as cuBLAS does (to nearest even)
     out = qd.round_weights(qd.reduce_tile(acc, RANK), WR, INTERP)
     tl.store(out_ptr + p * out_stride + n, out.to(out_ptr.dtype.element_ty), mask=nmask)

@@ -31,9 +31,6 @@ KERNEL_CODES = range(14)
 TILE_RANKS = (2, 3, 4)  # the GEMV's product tiles (moe_triton.moe_gemv_kernel's RANK)
 # Columns one kernel step covers: plain floats (a "block" is one element), and block types.
 FLOAT_STEP_COLUMNS, BLOCK_STEP_COLUMNS = 64, 256
-# The unit of an expert's intermediate channels split between the CPU and the GPU (moe_gemv's
-# `channels`): a multiple of every type's step, so the down GEMV's sum starts on a step.
-CHANNEL_STEP = BLOCK_STEP_COLUMNS
 
 
 def _fused_tables(dequantizers: Mapping[ElementType, Dequantizer]) -> dict[ElementType, tuple[int, int, int]]:
@@ -175,16 +172,10 @@ def _interpreted() -> bool:
 def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, top_k: int, x_per_pair: bool = False, misses: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None, tuning: tuple[int, int] | None = None,
-             host: HostSlots | None = None, out: torch.Tensor | None = None,
-             channels: torch.Tensor | None = None, channel_rows: int = 0) -> torch.Tensor:
+             host: HostSlots | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """[P, rows]: row p is W(pair p's expert) · x[p // top_k] (x[p] when x_per_pair), into `out`
     when given ([P, rows], unit stride along rows: e.g. a column slice of a wider output; the
     rows of pairs whose slot is -2 are left as they are).
-
-    channels: int32 [P], per pair the intermediate channels [0, c) computed elsewhere (the CPU
-    experts pool; c a multiple of CHANNEL_STEP, 0: none): with channel_rows (I), W's rows are
-    channels (row n is channel n % I: gate/up) and the programs whose rows are all below c leave
-    theirs as they are; without, W's columns are channels (down) and row p sums columns [c, K) only.
 
     experts: int64 [P], top_k_index flattened (pair p = token p // top_k); slot_map: int32 [E],
     the slot of each expert (-1: not resident, its row is garbage, and it is counted in
@@ -211,19 +202,13 @@ def moe_gemv(x: torch.Tensor, experts: torch.Tensor, slot_map: torch.Tensor, are
         block_n, warps = GEMV_TUNING.get(weight.element_type, (GEMV_BLOCK_N, GEMV_WARPS))
     grid = (pairs, -(-weight.rows // block_n))
     host = host or NO_HOST
-    if channels is None:
-        channel_mode, span = 0, 1
-    else:
-        assert channels.dtype == torch.int32 and channels.shape[0] >= pairs, (channels.dtype, tuple(channels.shape))
-        channel_mode, span = (1, channel_rows) if channel_rows else (2, weight.cols // weight.blocks_per_row)
-        assert CHANNEL_STEP % (span if channel_mode == 2 else 1) == 0 and (channel_mode == 2 or span > 0)
     module.moe_gemv_kernel[grid](
         x, x.stride(0), experts, slot_map, misses if misses is not None else slot_map, arena, slot_bytes,
         host.first, host.delta, weight.first_offset, weight.second_offset, weight.split, weight.row_bytes, weight.blocks_per_row,
-        out, out.stride(0), weight.rows, channels if channels is not None else slot_map, span,
+        out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, RANK=weight.tile_rank, BLOCK_N=block_n,
         WR=ROUNDING[out_dtype], INTERP=_interpreted(), TOP_K=top_k, X_PER_PAIR=x_per_pair,
-        COUNT_MISSES=misses is not None, CHANNELS=channel_mode, num_warps=warps,
+        COUNT_MISSES=misses is not None, num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

@@ -67,10 +67,9 @@ def variants():
                        {**GEMM, "x_ptr": dtype, "out_ptr": dtype},
                        dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=wr,
                             INTERP=False, SPLIT=True, PARTS=GEMM_PARTS[code]))
-        for channels in (0, 1, 2):  # the CPU experts' launches: channels of rows, of columns
-            yield (f"moe_gemv_kernel type {code} channels {channels}", mt.moe_gemv_kernel, GEMV,
-                   dict(QT=code, NB=blocks, RANK=rank, BLOCK_N=4, WR=1, INTERP=False, TOP_K=8,
-                        X_PER_PAIR=channels == 2, COUNT_MISSES=True, CHANNELS=channels))
+        yield (f"moe_gemv_kernel type {code}", mt.moe_gemv_kernel, GEMV,
+               dict(QT=code, NB=blocks, RANK=rank, BLOCK_N=4, WR=1, INTERP=False, TOP_K=8, X_PER_PAIR=False,
+                    COUNT_MISSES=True))
 
 
 def main() -> int:

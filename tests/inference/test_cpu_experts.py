@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_host_experts import HIDDEN, INTER, host_tier
+from test_host_experts import HIDDEN, host_tier
 
 from inference.experts.cpu_experts import CpuExpertsConfig, CpuShare, pair_forward_shared
 from inference.kernels import handoff
 from inference.kernels.copy_agent import W_COUNT, CopyAgent
-from inference.kernels.host_experts import CHANNEL_STEP, W_SLOTS, W_TICKET, HostExpertsPool
+from inference.kernels.host_experts import W_TICKET, HostExpertsPool
 from inference.kernels.ops import HostSlots, moe_gemv
 from packformat import ElementType
 
@@ -32,8 +32,8 @@ VRAM_SLOTS = 3  # experts 0..2 in the arena, 3..7 in the host tier
 class Layer:
     """A host tier, an arena, the merged map, and the GPU-only reference of a layer's calls."""
 
-    def __init__(self, element_type, rng, inter=INTER):
-        data, self.slot_bytes, self.up, self.down, _ = host_tier(element_type, EXPERTS, rng, inter=inter)
+    def __init__(self, element_type, rng):
+        data, self.slot_bytes, self.up, self.down, _ = host_tier(element_type, EXPERTS, rng)
         self.arena = data[: VRAM_SLOTS * self.slot_bytes].clone().to(DEVICE)
         self.tier = data[VRAM_SLOTS * self.slot_bytes:].clone()
         if DEVICE == "cuda":
@@ -43,11 +43,10 @@ class Layer:
         self.slot_map = torch.tensor(ids, dtype=torch.int32, device=DEVICE)  # merged: host ids from VRAM_SLOTS on
 
     def gemv(self, experts, misses, scratch_slots=None):
-        def run(inputs, slot_map, per_pair, first, out=None, scratch=False, channels=None):
+        def run(inputs, slot_map, per_pair, first, out=None, scratch=False):
             return moe_gemv(inputs, experts, slot_map, self.arena, self.slot_bytes, self.up if first else self.down,
                             top_k=TOP_K, x_per_pair=per_pair, misses=misses if first and not scratch else None,
-                            host=scratch_slots if scratch else self.host, out=out, channels=channels,
-                            channel_rows=self.down.cols if first else 0)
+                            host=scratch_slots if scratch else self.host, out=out)
         return run
 
     def reference(self, x, experts):
@@ -80,9 +79,7 @@ def _share(layer, pools, share=(1, 2), start=True, timeout_ns=200_000_000, copie
     cpu = CpuShare(handoff.Mailbox.of(pool, torch.device(DEVICE)), kind,
                    torch.tensor(share, dtype=torch.int32, device=DEVICE),
                    torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE),
-                   torch.zeros(16, dtype=torch.int32, device=DEVICE), 16,
-                   torch.zeros(16, dtype=torch.int32, device=DEVICE), -(-layer.down.cols // CHANNEL_STEP),
-                   timeout_ns, copies=copies,
+                   torch.zeros(16, dtype=torch.int32, device=DEVICE), 16, timeout_ns, copies=copies,
                    copy_map=None if copies is None else torch.empty(EXPERTS, dtype=torch.int32, device=DEVICE))
     return pool, cpu
 
@@ -293,94 +290,3 @@ def test_config_takes_the_copy_engine_as_a_flag():
     assert CpuExpertsConfig(2).copy_engine is False and CpuExpertsConfig(2, copy_engine=True).copy_engine
     with pytest.raises(ValueError, match="copy_engine"):
         CpuExpertsConfig(2, copy_engine="yes")
-
-
-SPLIT_INTER = 3 * CHANNEL_STEP  # three channel steps an expert: the share can split one
-
-
-@pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.MXFP4], ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_an_expert_split_by_channels_equals_the_gpu_alone(pools, element_type, tokens):
-    """Half of the host-tier experts' channel steps, rounded up: the lowest-id experts whole and
-    the first channels of the next, whose other channels the GPU computes; the split pair's row
-    (two partial sums, rounded once more) agrees with the GPU-only call to bf16 rounding, the
-    GPU's own rows are its kernels' bit for bit, one job a layer, nothing missed."""
-    rng = np.random.default_rng(40 + int(element_type) + tokens)
-    layer = Layer(element_type, rng, inter=SPLIT_INTER)
-    pool, cpu = _share(layer, pools)
-    routing = [[4, 0, 6, 3], [7, 5, 1, 4]][:tokens]  # host-tier experts: 3..7
-    experts = torch.tensor(routing, dtype=torch.int64, device=DEVICE).reshape(-1)
-    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).bfloat16().to(DEVICE)
-    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS,
-                              TOP_K, misses)
-    expected = layer.reference(x, experts)
-    assert int(misses.item()) == 0
-    host_used = sorted({e for row in routing for e in row if e >= VRAM_SLOTS})
-    take = -(-len(host_used) * 3 // 2)  # channel steps, of 3 an expert
-    whole, split = host_used[: take // 3], host_used[take // 3] if take % 3 else None
-    assert split is not None  # both routings leave one expert split: 3 experts -> 5 steps, 5 -> 8
-    states = [1 if e in whole else 2 if e == split else 0 for e in experts.tolist()]
-    channels = [(take % 3) * CHANNEL_STEP if s == 2 else 0 for s in states]
-    assert cpu.cpu_pairs[: len(states)].cpu().tolist() == states
-    assert cpu.channels[: len(states)].cpu().tolist() == channels
-    assert cpu.gpu_map.cpu().tolist() == [-2 if e in whole else s for e, s in enumerate(layer.slot_map.tolist())]
-    entries = pool.words[W_SLOTS:W_SLOTS + len(states)].tolist()
-    host_slot = [int(layer.slot_map[e]) - VRAM_SLOTS for e in experts.tolist()]
-    assert entries == [-1 if s == 0 else h | c << 32 for s, h, c in zip(states, host_slot, channels, strict=True)]
-    assert pool.stats().jobs == 1
-    got, expected = got.float().cpu(), expected.float().cpu()
-    gpu_rows = torch.tensor([s == 0 for s in states])
-    assert torch.equal(got[gpu_rows], expected[gpu_rows])
-    scale = expected.abs().amax(dim=1, keepdim=True)
-    assert torch.all((got - expected).abs() <= scale * 2**-6), "CPU and split rows beyond bf16 rounding"
-    assert (got == expected).float().mean() >= 0.5
-
-
-@pytest.mark.parametrize("share, states, channels", [
-    ((1, 1), [1, 1, 1, 1], [0, 0, 0, 0]),
-    ((1, 2), [1, 1, 0, 0], [0, 0, 0, 0]),  # 12 steps -> 6: two experts whole
-    ((1, 3), [1, 2, 0, 0], [0, 256, 0, 0]),  # 4 steps: one whole, one step of the next
-    ((5, 16), [1, 2, 0, 0], [0, 256, 0, 0]),  # 3.75 -> 4
-    ((7, 12), [1, 1, 2, 0], [0, 0, 256, 0]),  # 7
-    ((1, 64), [2, 0, 0, 0], [256, 0, 0, 0]),  # 0.19 -> 1 step
-    ((0, 16), [0, 0, 0, 0], [0, 0, 0, 0]),
-], ids=lambda v: str(v))
-def test_the_share_in_channel_steps(pools, share, states, channels):
-    """Four host-tier experts of three steps each: ceil(12 * share) steps to the CPU."""
-    layer = Layer(ElementType.Q4_K, np.random.default_rng(44), inter=SPLIT_INTER)
-    pool, cpu = _share(layer, pools, share=share)
-    experts = torch.tensor([3, 5, 6, 7], dtype=torch.int64, device=DEVICE)
-    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(44)).bfloat16().to(DEVICE)
-    misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = pair_forward_shared(cpu, layer.gemv(experts, misses), activate, x, experts, layer.slot_map, VRAM_SLOTS,
-                              TOP_K, misses)
-    assert int(misses.item()) == 0
-    assert cpu.cpu_pairs[:4].cpu().tolist() == states and cpu.channels[:4].cpu().tolist() == channels
-    assert pool.stats().jobs == (1 if any(states) else 0)
-    expected = layer.reference(x, experts).float().cpu()
-    assert torch.all((got.float().cpu() - expected).abs() <= expected.abs().amax(dim=1, keepdim=True) * 2**-6)
-
-
-@pytest.mark.parametrize("element_type", [ElementType.Q4_K, ElementType.MXFP4], ids=lambda t: t.name)
-def test_the_gemv_leaves_out_the_cpus_channels(element_type):
-    """moe_gemv's `channels`: of gate/up, the programs whose rows are all channels below c leave
-    their rows as they are, the others compute theirs as without; of down, the sum over columns
-    [c, I) is bit for bit the whole GEMV of the activation with its columns below c zeroed."""
-    layer = Layer(element_type, np.random.default_rng(45), inter=SPLIT_INTER)
-    experts = torch.tensor([3, 0, 6, 1], dtype=torch.int64, device=DEVICE)
-    channels = torch.tensor([CHANNEL_STEP, 0, 2 * CHANNEL_STEP, 0], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(45)).bfloat16().to(DEVICE)
-    gemv = layer.gemv(experts, None)
-    whole = gemv(x, layer.slot_map, False, True).cpu()  # [P, 2I]
-    stale = torch.full((4, 2 * SPLIT_INTER), 7.0, dtype=torch.bfloat16, device=DEVICE)
-    got = gemv(x, layer.slot_map, False, True, out=stale, channels=channels).cpu()
-    for p, c in enumerate(channels.tolist()):
-        mine = torch.tensor([n % SPLIT_INTER >= c for n in range(2 * SPLIT_INTER)])
-        assert torch.equal(got[p, mine], whole[p, mine]) and bool((got[p, ~mine] == 7.0).all())
-    hidden = torch.randn(4, SPLIT_INTER, generator=torch.Generator().manual_seed(46)).bfloat16().to(DEVICE)
-    zeroed = hidden.clone()
-    for p, c in enumerate(channels.tolist()):
-        zeroed[p, :c] = 0
-    assert torch.equal(gemv(hidden, layer.slot_map, True, False, channels=channels).cpu(),
-                       gemv(zeroed, layer.slot_map, True, False).cpu())

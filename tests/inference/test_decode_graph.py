@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_storaged_source_fixtures import (StoragedDaemon, cases_dir, qwen_case,  # noqa: F401 (fixtures)
-                                           qwen_wide_case)
+from test_storaged_source_fixtures import StoragedDaemon, cases_dir, qwen_case  # noqa: F401 (fixtures)
 
 from inference.engine.decode_graph import StaticDecoder, why_not
 from inference.engine.generate import ModelRunner
@@ -197,31 +196,22 @@ def test_host_tier_experts_are_read_in_place_without_an_acquire(qwen_case, eager
     assert read_in_place
 
 
-@pytest.fixture(scope="module")
-def wide_eager_tokens(qwen_wide_case):
-    with _load(qwen_wide_case.bundle, LocalPackSource) as loaded:
-        return _greedy(ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None))
-
-
 @pytest.mark.slow  # a fused decode under triton's interpreter on the CPU: minutes
-@pytest.mark.parametrize("share, copy_engine, wide", [(0.5, False, False), (None, False, False), (0.25, True, False),
-                                                      (0.5, False, True)],
-                         ids=["half", "tuned", "quarter, the rest copied", "half in channel steps"])
-def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(request, share, copy_engine, wide):
+@pytest.mark.parametrize("share, copy_engine", [(0.5, False), (None, False), (0.25, True)],
+                         ids=["half", "tuned", "quarter, the rest copied"])
+def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(qwen_case, eager_tokens, share,
+                                                                           copy_engine):
     """The host-tier test above with CPU threads taking half of each layer's host-tier experts
     (inference.experts.cpu_experts), or a share the tuner moves at every step, or a quarter with
-    the copy agent bringing the GPU's share into scratch slots (memcpy without CUDA), or half of
-    experts three channel steps wide (experts split between the CPU and the GPU): the same tokens,
-    the second request still all through the slot map, the pool serving one job a MoE layer a step
-    where it takes an expert, and refusing none."""
+    the copy agent bringing the GPU's share into scratch slots (memcpy without CUDA): the same
+    tokens, the second request still all through the slot map, the pool serving one job a MoE
+    layer a step where it takes an expert, and refusing none."""
     from inference.experts.cpu_experts import CpuExpertsConfig
     from inference.kernels.host_experts import W_TICKET
 
-    case = request.getfixturevalue("qwen_wide_case" if wide else "qwen_case")
-    eager_tokens = request.getfixturevalue("wide_eager_tokens" if wide else "eager_tokens")
-    daemon = _one_layer_in_vram_the_rest_in_the_host_tier(case)
+    daemon = _one_layer_in_vram_the_rest_in_the_host_tier(qwen_case)
     try:
-        with _load(case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
+        with _load(qwen_case.bundle, lambda b, d: StoragedExpertSource(str(daemon.socket), "m", b, d)) as loaded:
             runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids=(), context_length=None,
                                  expert_source=loaded.expert_source, static_cache_len=64,
                                  cpu_experts=CpuExpertsConfig(2, share, copy_engine=copy_engine))
@@ -244,8 +234,7 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(reque
             shared_layers = len(decoder.cpu_experts.layers)
             moves = decoder.cpu_experts.share_moves
             scraped = {name: metrics.registry.get_sample_value(f"expertpack_inference_cpu_experts_{name}", {"model": "m"})
-                       for name in ("jobs_total", "failed_jobs_total", "share_moves_total", "share",
-                                    "split_pairs_total")}
+                       for name in ("jobs_total", "failed_jobs_total", "share_moves_total", "share")}
             share_now = decoder.cpu_experts.share_now
             copied = agent.stats() if agent is not None else None
             scraped_copies = {name: metrics.registry.get_sample_value(f"expertpack_inference_copy_agent_{name}",
@@ -265,9 +254,7 @@ def test_cpu_experts_compute_a_share_of_the_host_tier_with_the_same_tokens(reque
     assert (first, second) == (eager_tokens, eager_tokens)
     assert (moves > 0) == (share is None)
     assert scraped == {"jobs_total": stats.jobs, "failed_jobs_total": 0, "share_moves_total": moves,
-                       "share": share_now, "split_pairs_total": stats.split_pairs}
-    # experts one channel step wide are never split; three wide, half of an odd count splits one
-    assert (stats.split_pairs > 0) == wide, stats
+                       "share": share_now}
     if copy_engine:  # the self-check's job, then copies in the steps, none refused
         assert copied.jobs > 1 and copied.copies >= copied.jobs and copied.refused == 0, copied
         assert scraped_copies == {"jobs_total": copied.jobs, "copies_total": copied.copies,

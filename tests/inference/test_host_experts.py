@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.dequant import dequantize_many
-from inference.kernels.host_experts import CHANNEL_STEP, HostExpertsPool, HostExpertsUnavailable, readable
+from inference.kernels.host_experts import HostExpertsPool, HostExpertsUnavailable, readable
 from inference.kernels.ops import gemv_weight, moe_gemv
 from packformat import ElementType, Role, RoleEntry
 from packformat.constants import tensor_nbytes
@@ -46,9 +46,9 @@ def host_tier(element_type, slots, rng, hidden=HIDDEN, inter=INTER):
     return tier, slot_bytes, up, down, entries
 
 
-def reference(tier, slot_bytes, entries, slot, x_row, channels=None):
+def reference(tier, slot_bytes, entries, slot, x_row):
     """bf16 [H]: float64 products of the bf16-rounded weights, rounded once per projection, the
-    activation in torch's bfloat16; with `channels`, over intermediate channels [0, channels) only."""
+    activation in torch's bfloat16."""
     obj = tier[slot * slot_bytes:(slot + 1) * slot_bytes]
 
     def weight(e):
@@ -57,8 +57,7 @@ def reference(tier, slot_bytes, entries, slot, x_row, channels=None):
 
     gate_up = (torch.cat([weight(entries[0]), weight(entries[1])]) @ x_row.double()).bfloat16()
     gate, up = gate_up.chunk(2)
-    c = channels or gate.shape[0]
-    return (weight(entries[2])[:, :c] @ (F.silu(gate[:c]) * up[:c]).double()).bfloat16()
+    return (weight(entries[2]) @ (F.silu(gate) * up).double()).bfloat16()
 
 
 @pytest.fixture
@@ -119,41 +118,6 @@ def test_mxfp4_rows_of_a_number_of_blocks_not_a_multiple_of_four(pool_factory, m
     got = pool.run(kind, [1, 0], x, top_k=2)
     for p, slot in enumerate([1, 0]):
         _close(got[p], reference(tier, slot_bytes, entries, slot, x[0]))
-
-
-@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"])
-@pytest.mark.parametrize("element_type", TYPES, ids=lambda t: t.name)
-def test_first_channels_of_an_expert_give_its_partial_sum(pool_factory, element_type, march):
-    """A pair's channel count c: gate and up rows [0, c), their activation and down's columns
-    [0, c) only, beside pairs of whole experts in the same job."""
-    rng = np.random.default_rng(20 + int(element_type))
-    tier, slot_bytes, up, down, entries = host_tier(element_type, 2, rng, inter=3 * CHANNEL_STEP)
-    pool = pool_factory(tier, slot_bytes, march=march)
-    kind = pool.add_kind((up,), down)
-    pool.start()
-    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
-    slots, channels = [1, 1, 0, -1], [CHANNEL_STEP, 0, 2 * CHANNEL_STEP, 0]
-    got = pool.run(kind, slots, x, top_k=2, channels=channels)
-    for p, (slot, c) in enumerate(zip(slots[:3], channels, strict=False)):
-        _close(got[p], reference(tier, slot_bytes, entries, slot, x[p // 2], c or None))
-    whole = reference(tier, slot_bytes, entries, 1, x[0]).float()
-    assert (got[0].float() - whole).abs().max() > whole.abs().amax() * 2**-6  # a partial sum, not the whole
-
-
-@pytest.mark.parametrize("channels", [100, 3 * CHANNEL_STEP, 5 * CHANNEL_STEP],
-                         ids=["not a multiple of the step", "all of them", "past the intermediate size"])
-def test_bad_channel_counts_are_refused(pool_factory, channels):
-    """c must be a multiple of CHANNEL_STEP below I (all channels are c = 0): the job is refused,
-    the pool serves the next."""
-    tier, slot_bytes, up, down, _ = host_tier(ElementType.Q4_K, 1, np.random.default_rng(3), inter=3 * CHANNEL_STEP)
-    pool = pool_factory(tier, slot_bytes)
-    kind = pool.add_kind((up,), down)
-    pool.start()
-    x = torch.randn(1, HIDDEN).bfloat16()
-    with pytest.raises(HostExpertsUnavailable, match="refused job"):
-        pool.run(kind, [0], x, top_k=1, channels=[channels])
-    pool.run(kind, [0], x, top_k=1, channels=[CHANNEL_STEP])
-    assert (pool.stats().failed_jobs, pool.stats().jobs) == (1, 1)
 
 
 @pytest.mark.parametrize("element_type", TYPES, ids=lambda t: t.name)

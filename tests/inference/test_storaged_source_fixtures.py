@@ -58,17 +58,16 @@ class ModelCase:
 _build_lock = threading.Lock()
 
 
-def build_case(root: Path, name: str, arch: str, fmt: str, *, seed: int = 0, intermediate: int = 256) -> ModelCase:
-    """A bundle built by packtools from a synthetic HF checkpoint (float32) or GGUF file (Q4_K,
-    experts of `intermediate` channels); built once under `root` (a session-wide directory) and
-    reused by every test module."""
+def build_case(root: Path, name: str, arch: str, fmt: str, *, seed: int = 0) -> ModelCase:
+    """A bundle built by packtools from a synthetic HF checkpoint (float32) or GGUF file (Q4_K);
+    built once under `root` (a session-wide directory) and reused by every test module."""
     with _build_lock:
         root.mkdir(parents=True, exist_ok=True)
         source = root / (f"{name}.gguf" if fmt == "gguf" else f"{name}-hf")
         if (root / name / "manifest.json").exists():
             return ModelCase(name, root / name, source)
         if fmt == "gguf":
-            model = tiny_random_model(arch, seed=seed, hidden_size=256, moe_intermediate_size=intermediate)  # K-quant rows
+            model = tiny_random_model(arch, seed=seed, hidden_size=256, moe_intermediate_size=256)  # K-quant rows
             (source,) = synth_gguf(arch, source, model=model, expert_type="Q4_K",
                                    tokenizer=build_tokenizer(model.config.vocab_size))
         else:
@@ -166,12 +165,6 @@ def cases_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def qwen_case(cases_dir) -> ModelCase:
     return build_case(cases_dir, "qwen-q4k", "qwen3_moe", "gguf")
-
-
-@pytest.fixture(scope="module")
-def qwen_wide_case(cases_dir) -> ModelCase:
-    """Experts of three CHANNEL_STEPs of intermediate channels: the CPU experts' share can split one."""
-    return build_case(cases_dir, "qwen-q4k-wide", "qwen3_moe", "gguf", intermediate=768)
 
 
 # --- the helpers' own tests -------------------------------------------------------------------
