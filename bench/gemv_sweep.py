@@ -1,6 +1,6 @@
 """The fused experts GEMV's launch shape per expert type: time each (rows per program, warps) on
 one decode step's experts and keep the fastest (inference.kernels.ops.GEMV_TUNING); the same for
-the prefill's grouped GEMM (pairs per block, rows per program, warps: ops.GEMM_TUNING), against
+the prefill's grouped GEMM (pairs per block, rows per program, warps: ops.gemm_shape), against
 the dequantize-then-grouped_mm path it replaced.
 
     python bench/gemv_sweep.py --types Q4_K MXFP4          # prints a table; --json keeps it
@@ -139,7 +139,7 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
                      "down_us": down_us, "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
     best = min(rows, key=lambda r: r["up_us"] + r["down_us"])
     shipped = next((r for r in rows if (r["block_m"], r["block_n"], r["warps"], r["split"])
-                    == (ops.GEMM_BLOCK_M, *ops.GEMM_TUNING, ops.GEMM_SPLIT)), None)
+                    == (ops.GEMM_BLOCK_M, *ops.gemm_shape(element_type), ops.GEMM_SPLIT)), None)
 
     table = arena.view(experts, slot_bytes)
     rows_t = torch.tensor(ids, device=device)
@@ -162,7 +162,7 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
         replaced_error = None
     if install:
         ops.GEMM_BLOCK_M = best["block_m"]
-        ops.GEMM_TUNING = (best["block_n"], best["warps"])
+        ops.GEMM_TYPE_TUNING[element_type] = (best["block_n"], best["warps"])
         ops.GEMM_SPLIT = best["split"]
     return {"type": type_name, "kind": "gemm", "tokens": tokens, "experts_touched": len(ids), "top_k": top_k,
             "rows": rows, "best": best, "shipped": shipped, "replaced_us": replaced_us,

@@ -40,6 +40,7 @@ class FusedKernel:
     tile_rank: int  # rank of the GEMV's product tile
     parts: int  # pieces the grouped GEMM dequantizes one step in (SPLIT)
     gemv_shape: tuple[int, int] | None = None  # GEMV (rows per program, warps); None: ops' default
+    gemm_shape: tuple[int, int] | None = None  # grouped GEMM (rows per program, warps); None: ops' default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,11 @@ _T = ElementType
 # The other K-quants take Q4_K's shape and the other 32-element types MXFP4's (same loops; not
 # measured).
 _K_QUANT_GEMV, _BLOCK32_GEMV = (4, 1), (8, 1)
+# The prefill's grouped GEMM (rows per program, warps) where measured: Q4_K 128 x 4 (parts, 16 pairs a
+# block) 635.3 us a layer against 763.4 at ops' default 64 x 4 (a 64-token prefill of the
+# Qwen3-30B-A3B-like shape, an H100, 2026-12-07; the whole prefill 1.14x). Only Q4_K: at 128 rows
+# the other K-quants' loops spill more (docs/benchmarks.md, 2026-12-05), and none was timed.
+_Q4_K_GEMM = (128, 4)
 
 
 def _fused_float(code: int) -> FusedKernel:
@@ -85,8 +91,8 @@ def _fused_block32(code: int) -> FusedKernel:
     return FusedKernel(code, tile_rank=3, parts=2, gemv_shape=_BLOCK32_GEMV)
 
 
-def _fused_kquant(code: int, tile_rank: int, parts: int) -> FusedKernel:
-    return FusedKernel(code, tile_rank, parts, gemv_shape=_K_QUANT_GEMV)
+def _fused_kquant(code: int, tile_rank: int, parts: int, gemm_shape: tuple[int, int] | None = None) -> FusedKernel:
+    return FusedKernel(code, tile_rank, parts, gemv_shape=_K_QUANT_GEMV, gemm_shape=gemm_shape)
 
 
 # Triton (blocks per program, warps) measured best on an H200 for 8 experts x [2048, 4096], bf16
@@ -105,7 +111,7 @@ DEQUANTIZERS: Mapping[ElementType, Dequantizer] = _table([
     Dequantizer(_T.Q3_K, torch_kquants.dequantize_q3_k, _kquant("q3_k_kernel", 16, 4),
                 fused=_fused_kquant(10, 4, 4)),
     Dequantizer(_T.Q4_K, torch_kquants.dequantize_q4_k, _kquant("q4_k_kernel", 16, 4),
-                fused=_fused_kquant(11, 3, 2)),
+                fused=_fused_kquant(11, 3, 2, gemm_shape=_Q4_K_GEMM)),
     Dequantizer(_T.Q5_K, torch_kquants.dequantize_q5_k, _kquant("q5_k_kernel", 16, 4),
                 fused=_fused_kquant(12, 3, 2)),
     Dequantizer(_T.Q6_K, torch_kquants.dequantize_q6_k, _kquant("q6_k_kernel", 8, 4), fused=_fused_kquant(13, 4, 2)),

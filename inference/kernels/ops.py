@@ -80,7 +80,12 @@ COMBINE_BLOCK_H = 256
 # into blocks of this many), then (output rows per program, warps). A step covers the GEMV's
 # blocks per step: 256 columns for the block types, 64 for plain floats.
 GEMM_BLOCK_M = 16
-GEMM_TUNING: tuple[int, int] = (64, 4)
+GEMM_TUNING: tuple[int, int] = (64, 4)  # where the registry gives a type no gemm_shape
+# element type -> (rows per program, warps) of the grouped GEMM, where measured (the registry's
+# gemm_shape); a dict bench/gemv_sweep.py overwrites with what it measures
+GEMM_TYPE_TUNING: dict[ElementType, tuple[int, int]] = {
+    t: DEQUANTIZERS[t].fused.gemm_shape for t in _TYPE_CODES if DEQUANTIZERS[t].fused.gemm_shape is not None
+}
 GEMM_SPLIT = True  # dequantize a step in parts (quant_tile.weight_part) rather than whole
 
 _triton: ModuleType | None = None
@@ -299,6 +304,11 @@ def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch
     return Dispatch(order, sorted_experts, GemmBlocks(table, block_m))
 
 
+def gemm_shape(element_type: ElementType) -> tuple[int, int]:
+    """The grouped GEMM's (rows per program, warps) for weights of `element_type`."""
+    return GEMM_TYPE_TUNING.get(element_type, GEMM_TUNING)
+
+
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, pairs: int, top_k: int, gather_tokens: bool,
              tuning: tuple[int, int] | None = None, split: bool | None = None,
@@ -316,7 +326,7 @@ def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: to
     out = torch.empty((pairs, weight.rows), dtype=x.dtype, device=x.device)  # [S, N]
     if pairs == 0:
         return out
-    block_n, warps = tuning or GEMM_TUNING
+    block_n, warps = tuning or gemm_shape(weight.element_type)
     grid = (blocks.table.shape[0], -(-weight.rows // block_n))
     host = host or NO_HOST
     module.moe_gemm_kernel[grid](
