@@ -95,6 +95,7 @@ def test_fused_kernel_tables_cover_every_type_the_registry_marks() -> None:
         assert (code, rank) == (entry.code, entry.tile_rank)
         assert ops.GEMM_PARTS[code] == entry.parts
         assert ops.GEMV_TUNING.get(etype) == entry.gemv_shape
+        assert ops.gemm_shape(etype) == (entry.gemm_shape or ops.GEMM_TUNING)
         columns = ops.FLOAT_STEP_COLUMNS if DEQUANTIZERS[etype].float_dtype else ops.BLOCK_STEP_COLUMNS
         assert blocks_per_step * QUANT_TYPES[etype].block_elements == columns
 
