@@ -29,8 +29,9 @@ import torch
 from inference.experts.cpu_experts import pair_forward_shared
 from inference.experts.eager import expert_outputs
 from inference.experts.plan import LayerPlan, Projection, WeightGroup, _relayout
-from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, device_dispatch, gemm_blocks, gemv_weight,
-                                  moe_combine, moe_gemm, moe_gemv)
+from inference.kernels.dispatch import device_dispatch
+from inference.kernels.ops import (GemmBlocks, GemvWeight, HostSlots, gemm_blocks, gemv_weight, moe_combine, moe_gemm,
+                                  moe_gemv)
 
 GROUPED_PAIRS = 64  # (token, expert) pairs above which prefill's grouped GEMM beats per-pair GEMVs
 

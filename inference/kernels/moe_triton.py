@@ -167,7 +167,7 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     """
     b = tl.program_id(0)
     count = tl.load(blocks_ptr + 3 * b + 2)
-    if count == 0:  # a row past the real blocks of a table built on the device (ops.device_dispatch)
+    if count == 0:  # a row past the real blocks of a table built on the device (inference.kernels.dispatch)
         return
     slot = tl.load(blocks_ptr + 3 * b).to(tl.int64)
     first = tl.load(blocks_ptr + 3 * b + 1)

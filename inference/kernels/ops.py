@@ -262,48 +262,6 @@ def gemm_blocks(rows: Sequence[int], counts: Sequence[int], block_m: int | None 
     return GemmBlocks(torch.tensor(table, dtype=torch.int32).reshape(-1, 3), block_m)
 
 
-DISPATCH_CHUNK = 64  # pairs (and blocks) the dispatch program takes at a time
-
-
-@dataclasses.dataclass(frozen=True)
-class Dispatch:
-    """A grouped call's pairs grouped by expert, built on the device (no host synchronization)."""
-
-    order: torch.Tensor  # int64 [S]: the pair at each sorted position (ascending expert, then pair)
-    sorted_experts: torch.Tensor  # int64 [S]: the expert at each sorted position
-    blocks: GemmBlocks
-
-
-def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch.Tensor | None = None,
-                    block_m: int | None = None) -> Dispatch:
-    """The pairs of `experts` (int64 [S], top_k_index flattened) sorted by expert, stably, and
-    their `gemm_blocks` (experts at slot_map[expert], int32 [E]), in one program
-    (inference.kernels.dispatch_triton); pairs whose expert is absent (slot -1) are added to
-    `misses` (int32 [1]) and read slot 0: garbage the caller throws away.
-
-    The number of blocks depends on the routing, which the host does not see, so the table has
-    as many rows as any routing of S pairs over E experts can need (S // block_m + min(S, E)); the
-    rows past the real blocks hold 0 pairs, and their programs return at once.
-    """
-    block_m = block_m or GEMM_BLOCK_M
-    pairs, n_experts = experts.shape[0], slot_map.shape[0]
-    assert experts.dtype == torch.int64 and slot_map.dtype == torch.int32, (experts.dtype, slot_map.dtype)
-    device = experts.device
-    order = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
-    sorted_experts = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
-    rows = pairs // block_m + min(pairs, n_experts)
-    table = torch.empty((rows, 3), dtype=torch.int32, device=device)  # [B, 3]
-    if pairs:
-        from inference.kernels import dispatch_triton
-
-        assert triton_module() is not None, "device_dispatch without triton: check fused_unavailable_reason first"
-        dispatch_triton.moe_dispatch_kernel[(1,)](
-            experts.contiguous(), slot_map, order, sorted_experts, table, misses if misses is not None else slot_map,
-            pairs, n_experts, rows, BLOCK_M=block_m, EP=1 << max(0, (n_experts - 1).bit_length()),
-            CHUNK=DISPATCH_CHUNK, COUNT_MISSES=misses is not None, num_warps=8)
-    return Dispatch(order, sorted_experts, GemmBlocks(table, block_m))
-
-
 def gemm_shape(element_type: ElementType) -> tuple[int, int]:
     """The grouped GEMM's (rows per program, warps) for weights of `element_type`."""
     return GEMM_TYPE_TUNING.get(element_type, GEMM_TUNING)

@@ -17,7 +17,7 @@ from inference.experts import LocalPackSource
 from inference.experts.binding import experts_modules
 from inference.experts.forward import BINDING_ATTRIBUTE, expertpack_experts_forward
 from inference.experts.storaged_source import ResidentLookup
-from inference.kernels.ops import (GEMV_TYPES, HostSlots, device_dispatch, gemm_blocks, gemv_weight, moe_combine,
+from inference.kernels.ops import (GEMV_TYPES, HostSlots, gemm_blocks, gemv_weight, moe_combine,
                                   moe_gemm, moe_gemv)
 from inference.model import load_model
 from packformat import ElementType, Role, RoleEntry
@@ -307,10 +307,15 @@ def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     ([[2, 5], [5, 6], [2, 3]], [3, -1, 0, 7, 1, -1, 8, 5]),  # absent experts: counted, slot 0
     ("random", None),  # more pairs than the program's chunk, and than its block chunk
 ], ids=["some", "blocks spanning", "every expert", "the last experts", "absent", "many"])
-def test_device_dispatch_equals_a_stable_sort_and_the_host_table(routing, slots):
-    """The pairs sorted by expert in one program equal torch's stable sort; its block table lists
-    the host table's blocks, in its order, then only empty blocks, as many rows as any routing of
-    S pairs can need; the pairs of absent experts are counted."""
+@pytest.mark.parametrize("program", [True, False], ids=["one program", "torch ops"])
+def test_device_dispatch_equals_a_stable_sort_and_the_host_table(routing, slots, program, monkeypatch):
+    """The pairs sorted by expert in one program (or, past its pairs, by torch ops) equal torch's
+    stable sort; its block table lists the host table's blocks, in its order, then only empty
+    blocks, as many rows as any routing of S pairs can need; the pairs of absent experts are counted."""
+    from inference.kernels import dispatch
+
+    if not program:
+        monkeypatch.setattr(dispatch, "DISPATCH_PROGRAM_PAIRS", 0)
     experts_count = 8
     if routing == "random":
         generator = torch.Generator().manual_seed(3)
@@ -322,7 +327,7 @@ def test_device_dispatch_equals_a_stable_sort_and_the_host_table(routing, slots)
     ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     host = gemm_blocks(slot_map[ids].clamp(min=0).tolist(), counts.tolist(), block_m=4).table
     misses = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = device_dispatch(top_k_index.reshape(-1).to(DEVICE), slot_map.to(DEVICE), misses, block_m=4)
+    got = dispatch.device_dispatch(top_k_index.reshape(-1).to(DEVICE), slot_map.to(DEVICE), misses, block_m=4)
     pairs = top_k_index.numel()
     assert torch.equal(got.order.cpu(), order) and torch.equal(got.sorted_experts.cpu(), sorted_experts)
     table = got.blocks.table.cpu()
