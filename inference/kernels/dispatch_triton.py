@@ -10,8 +10,9 @@ thirty launches a layer (a third of a 64-token prefill's kernels). Here it is on
     position of pair p = starts[e_p] + (pairs q < p with e_q = e_p)        (pass 2: a stable sort)
     block b belongs to the expert whose block range [bstart, bend) holds it (blocks = ceil(count / BLOCK_M))
 
-The pairs are read in chunks of CHUNK (a [CHUNK, EP] one-hot of their experts), so a prefill of
-thousands of pairs needs no more registers than one of a few. Importing this module imports triton.
+The pairs are read in chunks of CHUNK (a [CHUNK, EP] one-hot of their experts), so many pairs need
+no more registers than a few, only more time (inference.kernels.dispatch hands long prefills to
+torch's ops). Importing this module imports triton.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def moe_dispatch_kernel(expert_ptr, map_ptr, order_ptr, sorted_ptr, table_ptr, m
         # the expert of block b: the first whose blocks end past b (one with no pairs ends where it
         # starts, so it is passed over); none past the last real block
         owner = tl.sum(((block_ends[None, :] <= b[:, None]) & emask[None, :]).to(tl.int32), axis=1)  # [CHUNK]
-        mine = e[None, :] == owner[:, None]  # [CHUNK, EP], no column where owner >= E
+        # [CHUNK, EP]; owner E (past the real blocks) matches a padding column of no pairs, or none
+        mine = e[None, :] == owner[:, None]
         local = b - tl.sum(tl.where(mine, (block_ends - blocks)[None, :], 0), axis=1)  # [CHUNK] index among its blocks
         count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1) - local * BLOCK_M
         count = tl.minimum(tl.maximum(count, 0), BLOCK_M)
