@@ -103,6 +103,16 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+def _model_counters(model: str, rows):
+    """A counter family labelled by `model` for each (name, doc, value) of rows, read when scraped."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, doc, value in rows:
+        family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
+        family.add_metric([model], value)
+        yield family
+
+
 class _CpuExpertsCollector:
     """Reads the decoder's CPU experts pool when scraped (nothing while it has none: before its
     first binding, after close). A pool started again (the decoder bound anew) counts from zero."""
@@ -112,23 +122,20 @@ class _CpuExpertsCollector:
         self.model = model
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
 
         shared = self.decoder.cpu_experts
         if shared is None:
             return
         stats = shared.pool.stats()
-        for name, doc, value in (
+        yield from _model_counters(self.model, (
                 ("cpu_experts_jobs", "Layer jobs the CPU experts pool served (a share of a decode step's "
                                      "host-tier experts each)", stats.jobs),
                 ("cpu_experts_failed_jobs", "Jobs the CPU experts pool refused as malformed (the step was redone "
                                             "on the acquire path)", stats.failed_jobs),
                 ("cpu_experts_busy_seconds", "Seconds the CPU experts pool spent on jobs", stats.busy_seconds),
                 ("cpu_experts_share_moves", "Times the share's tuner moved the CPU experts' share",
-                 shared.share_moves)):
-            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
-            family.add_metric([self.model], value)
-            yield family
+                 shared.share_moves)))
         share = GaugeMetricFamily(f"{PREFIX}cpu_experts_share", "Share of each layer's host-tier experts the CPU "
                                   "experts compute now", labels=["model"])
         share.add_metric([self.model], shared.share_now)
@@ -136,15 +143,12 @@ class _CpuExpertsCollector:
         if shared.agent is None:
             return
         copied = shared.agent.stats()
-        for name, doc, value in (
+        yield from _model_counters(self.model, (
                 ("copy_agent_jobs", "Layer jobs the copy agent issued (the GPU's share of a decode step's host-tier "
                                     "experts, copied to VRAM)", copied.jobs),
                 ("copy_agent_copies", "Host-tier experts the copy agent copied to VRAM", copied.copies),
                 ("copy_agent_refused_jobs", "Copy jobs refused (malformed, or a CUDA call failed): the step was "
-                                            "redone on the acquire path", copied.refused)):
-            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
-            family.add_metric([self.model], value)
-            yield family
+                                            "redone on the acquire path", copied.refused)))
 
 
 class _StaticDecoderCollector:
@@ -178,17 +182,14 @@ class _HintCollector:
         self.model = model
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
 
         stats = self.policy.stats()
-        for name, doc, value in (
+        yield from _model_counters(self.model, (
                 ("lookahead_hints", "Lookahead prefetch hints sent to the expert source", stats.hints_sent),
                 ("lookahead_hinted_experts", "Experts named in the lookahead hints sent", stats.hinted_experts),
                 ("lookahead_withheld", "Lookahead predictions not sent: their step width's precision was below "
-                                       "lookahead_min_precision", stats.withheld)):
-            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model"])
-            family.add_metric([self.model], value)
-            yield family
+                                       "lookahead_min_precision", stats.withheld)))
         precision = GaugeMetricFamily(f"{PREFIX}lookahead_precision", "Running share of the predicted experts the "
                                       "next layer used, by step width (single, batched, chunk)",
                                       labels=["model", "width"])
