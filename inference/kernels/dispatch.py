@@ -49,17 +49,17 @@ def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch
     block_m = block_m or ops.GEMM_BLOCK_M
     pairs, n_experts = experts.shape[0], slot_map.shape[0]
     assert experts.dtype == torch.int64 and slot_map.dtype == torch.int32, (experts.dtype, slot_map.dtype)
+    rows = pairs // block_m + min(pairs, n_experts)  # every block any routing can need
     if pairs > DISPATCH_PROGRAM_PAIRS:
-        return _torch_dispatch(experts, slot_map, misses, block_m)
+        return _torch_dispatch(experts, slot_map, misses, block_m, rows)
     device = experts.device
     order = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
     sorted_experts = torch.empty(pairs, dtype=torch.int64, device=device)  # [S]
-    rows = pairs // block_m + min(pairs, n_experts)
     table = torch.empty((rows, 3), dtype=torch.int32, device=device)  # [B, 3]
     if pairs:
+        assert triton_module() is not None, "device_dispatch without triton: check fused_unavailable_reason first"
         from inference.kernels import dispatch_triton
 
-        assert triton_module() is not None, "device_dispatch without triton: check fused_unavailable_reason first"
         dispatch_triton.moe_dispatch_kernel[(1,)](
             experts.contiguous(), slot_map, order, sorted_experts, table, misses if misses is not None else slot_map,
             pairs, n_experts, rows, BLOCK_M=block_m, EP=1 << max(0, (n_experts - 1).bit_length()),
@@ -68,18 +68,18 @@ def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch
 
 
 def _torch_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch.Tensor | None,
-                    block_m: int) -> Dispatch:
+                    block_m: int, rows: int) -> Dispatch:
     """device_dispatch from torch ops: a stable sort, then each block's expert by searchsorted."""
     sorted_experts, order = torch.sort(experts, stable=True)  # [S]
     if misses is not None:
         misses.add_((slot_map[sorted_experts] < 0).sum(dtype=torch.int32))
-    pairs, n_experts = experts.shape[0], slot_map.shape[0]
+    n_experts = slot_map.shape[0]
     ids = torch.arange(n_experts, device=experts.device)  # [E]
     starts = torch.searchsorted(sorted_experts, ids)  # [E] first sorted position of each expert
     counts = torch.searchsorted(sorted_experts, ids, right=True) - starts  # [E] pairs of each expert
     nblocks = (counts + block_m - 1) // block_m  # [E]
     ends = nblocks.cumsum(0)  # [E] one past each expert's last block
-    b = torch.arange(pairs // block_m + min(pairs, n_experts), device=experts.device)  # [B] every block that can exist
+    b = torch.arange(rows, device=experts.device)  # [B] every block that can exist
     expert = torch.searchsorted(ends, b, right=True).clamp_(max=n_experts - 1)  # [B] the expert of block b
     local = b - (ends[expert] - nblocks[expert])  # [B] block b's index among its expert's blocks
     count = (counts[expert] - local * block_m).clamp_(0, block_m)  # [B] 0 past the last real block
