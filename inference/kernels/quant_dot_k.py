@@ -65,6 +65,62 @@ def part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexp
 
 
 @triton.jit
+def q4_k_words(base, rmask):
+    """Q4_K's 128 nibble bytes (@16) of super-blocks `base` [BN, 1] as uint32 words, 16-byte vector
+    loads rather than a pointer per byte: (words [BN, 4, 8] (word 8 pair + w holds bytes 32 pair
+    + 4 w .. + 3), header ptrs [BN, 1, 1], mask, pair [1, 4, 1], w [1, 1, 8])."""
+    base, mask = base[:, :, None], rmask[:, :, None]
+    pair = tl.arange(0, 4)[None, :, None]
+    w = tl.arange(0, 8)[None, None, :]
+    word_ptr = (base + 16).to(tl.pointer_type(tl.uint32), bitcast=True)
+    words = tl.load(word_ptr + 8 * pair + w, mask=mask, other=0)  # u32 [BN, 4, 8]
+    return words, base, mask, pair, w
+
+
+@triton.jit
+def _halves_under_2_23(words, INTERP: tl.constexpr):
+    """Each word's low and high 16 bits OR-ed into the bits of 2^23: a nibble is then one AND
+    away from 2^23 + q 2^s, an AND with one immediate (0x4B000000 | 0xF << s; OR-ing 2^23 in per
+    weight would take two). Inline, so the compiler cannot fold the two steps back together."""
+    if INTERP:
+        return (words & 0xFFFF) | 0x4B000000, (words >> 16) | 0x4B000000
+    low = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xFFFF, 0x4B000000, 0xEA;", "=r,r", [words],
+                                    dtype=tl.uint32, is_pure=True, pack=1)
+    high = tl.inline_asm_elementwise("{.reg .b32 t; shr.u32 t, $1, 16; or.b32 $0, t, 0x4B000000;}", "=r,r",
+                                     [words], dtype=tl.uint32, is_pure=True, pack=1)
+    return low, high
+
+
+@triton.jit
+def _q4_k_byte(source, scale, offset, SHIFT: tl.constexpr):
+    """The nibble at bit SHIFT (<= 12) of `source` (a half word under 2^23): masked in place, not
+    shifted down, 2^23 + q 2^s, and the fma's scale 2^-s (a power of two: exact) takes it back to
+    scale * q exactly, as q4_k_values; then minus the offset."""
+    two23_q = (source & (0x4B000000 | (0x0F << SHIFT))).to(tl.float32, bitcast=True)  # 2^23 + q 2^s
+    scale_s = scale * (1.0 / (1 << SHIFT))  # exact
+    return tl.fma(scale_s, two23_q, scale_s * -8388608.0) - offset
+
+
+@triton.jit
+def part_q4_k_words(base, mask, pair, w, words, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
+    """part_q4_k's values from q4_k_words: nibble `nibble` of the four bytes of each word, as
+    [BN, 4, 8, 2, 2] (byte b = 2 j + l last, so that a thread's values of a word lie in
+    consecutive registers, packed and stored in pairs), and their element offsets 64 pair +
+    32 nibble + 4 w + b."""
+    scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
+    low, high = _halves_under_2_23(words, INTERP)  # [BN, 4, 8] x2
+    v0 = _q4_k_byte(low, scale, offset, 4 * nibble)
+    v1 = _q4_k_byte(low, scale, offset, 8 + 4 * nibble)
+    v2 = _q4_k_byte(high, scale, offset, 4 * nibble)
+    v3 = _q4_k_byte(high, scale, offset, 8 + 4 * nibble)
+    value = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, 4, 8, 2, 2]: [..., j, l] is byte 2 j + l
+    j = tl.arange(0, 2)[None, None, None, :, None]
+    lo = tl.arange(0, 2)[None, None, None, None, :]
+    k = 64 * pair[:, :, :, None, None] + 32 * nibble + 4 * w[:, :, :, None, None] + 2 * j + lo
+    return qd.round_weights(value, WR, INTERP), k
+
+
+@triton.jit
 def dot_q4_k_acc(row, kb, x_row, rmask, acc, WR: tl.constexpr, INTERP: tl.constexpr):
     """acc [BN, 4, 32] float32 plus super-block kb's products, accumulated by fma: the GEMV's
     Q4_K step (one instruction per weight fewer than a separate multiply and add)."""

@@ -113,9 +113,8 @@ def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         return w, k, valid
     elif QT == 11:
         base, x0 = qk.super(row, kb, rmask, 144)
-        base, mask, pair, i = qk.q45_k_layout(base, rmask)
-        packed = load_bytes(base + 16 + 32 * pair + i, mask)
-        w, k = qk.part_q4_k(base, mask, pair, i, packed, PART, WR, INTERP)  # [BN, 4, 32]
+        words, base, mask, pair, w_ = qk.q4_k_words(base, rmask)
+        w, k = qk.part_q4_k_words(base, mask, pair, w_, words, PART, WR, INTERP)  # [BN, 4, 8, 2, 2]
         w, k = _flat(w, k, BN, 128)
         return w, x0 + k, k >= 0
     elif QT == 12:
