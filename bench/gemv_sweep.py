@@ -110,7 +110,8 @@ GEMM_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8
                 (64, 64, 4), (64, 128, 8)]
 
 
-def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install: bool = True) -> dict:
+def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install: bool = True,
+               configs: list[tuple[int, int, int]] | None = None) -> dict:
     """The grouped GEMM of a `tokens`-token prefill (each token's top-k of `experts`, random):
     each (pairs per block, rows per program, warps) timed on the up and down projections, against
     the path it replaces (each distinct expert dequantized whole, then torch's grouped GEMMs)."""
@@ -128,18 +129,21 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
     h = torch.randn(pairs, inter, device=device, dtype=torch.bfloat16)
     weight_bytes = len(ids) * (gate.nbytes + up.nbytes + down.nbytes)
     rows = []
-    for (block_m, block_n, warps), split in [(c, s) for s in (True, False) for c in GEMM_CONFIGS]:
+    # in parts only: every shape dequantizing a step whole was slower (docs/benchmarks.md, fifteenth run)
+    variants = [(c, True, swap) for swap in (True, False) for c in (configs or GEMM_CONFIGS)]
+    for (block_m, block_n, warps), split, swap in variants:
         blocks = ops.gemm_blocks(ids, counts, block_m).to(device)
         cfg = (block_n, warps)
         up_us = time_in_graph(lambda: ops.moe_gemm(x, order, blocks, arena, slot_bytes, up_weight, pairs=pairs, top_k=top_k,
-                                           gather_tokens=True, tuning=cfg, split=split), repeats=5)
+                                           gather_tokens=True, tuning=cfg, split=split, swap=swap), repeats=5)
         down_us = time_in_graph(lambda: ops.moe_gemm(h, order, blocks, arena, slot_bytes, down_weight, pairs=pairs,
-                                             top_k=top_k, gather_tokens=False, tuning=cfg, split=split), repeats=5)
-        rows.append({"block_m": block_m, "block_n": block_n, "warps": warps, "split": split, "up_us": up_us,
-                     "down_us": down_us, "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
+                                             top_k=top_k, gather_tokens=False, tuning=cfg, split=split, swap=swap),
+                                repeats=5)
+        rows.append({"block_m": block_m, "block_n": block_n, "warps": warps, "split": split, "swap": swap,
+                     "up_us": up_us, "down_us": down_us, "gbps": weight_bytes / ((up_us + down_us) * 1e-6) / 1e9})
     best = min(rows, key=lambda r: r["up_us"] + r["down_us"])
-    shipped = next((r for r in rows if (r["block_m"], r["block_n"], r["warps"], r["split"])
-                    == (ops.GEMM_BLOCK_M, *ops.gemm_shape(element_type), ops.GEMM_SPLIT)), None)
+    shipped = next((r for r in rows if (r["block_m"], r["block_n"], r["warps"], r["split"], r["swap"])
+                    == (ops.GEMM_BLOCK_M, *ops.gemm_shape(element_type), ops.GEMM_SPLIT, ops.GEMM_SWAP)), None)
 
     table = arena.view(experts, slot_bytes)
     rows_t = torch.tensor(ids, device=device)
@@ -164,6 +168,7 @@ def gemm_sweep(type_name: str, *, tokens: int = 64, experts: int = 128, install:
         ops.GEMM_BLOCK_M = best["block_m"]
         ops.GEMM_TYPE_TUNING[element_type] = (best["block_n"], best["warps"])
         ops.GEMM_SPLIT = best["split"]
+        ops.GEMM_SWAP = best["swap"]
     return {"type": type_name, "kind": "gemm", "tokens": tokens, "experts_touched": len(ids), "top_k": top_k,
             "rows": rows, "best": best, "shipped": shipped, "replaced_us": replaced_us,
             "replaced_error": replaced_error}
@@ -174,19 +179,19 @@ def gemm_report(result: dict) -> str:
              f"touched (top-{result['top_k']}):"]
     for r in result["rows"]:
         lines.append(f"  pairs/block {r['block_m']:3d} rows/program {r['block_n']:3d} warps {r['warps']} "
-                     f"{'parts' if r['split'] else 'whole'}: up "
+                     f"{'parts' if r['split'] else 'whole'}{' swapped' if r['swap'] else ''}: up "
                      f"{r['up_us']:7.1f} us  down {r['down_us']:7.1f} us  {r['gbps']:7.1f} GB/s of weights")
     b, shipped = result["best"], result.get("shipped")
     total = b["up_us"] + b["down_us"]
     if shipped is not None:
         lines.append(f"  shipped {shipped['block_m']}x{shipped['block_n']}x{shipped['warps']} "
-                     f"{'parts' if shipped['split'] else 'whole'}: {shipped['up_us'] + shipped['down_us']:.1f} us "
+                     f"{'parts' if shipped['split'] else 'whole'}{' swapped' if shipped['swap'] else ''}: {shipped['up_us'] + shipped['down_us']:.1f} us "
                      f"per layer ({(shipped['up_us'] + shipped['down_us']) / total:.2f}x the best)")
     if result["replaced_us"] is None:
         lines.append(f"  best {b['block_m']}x{b['block_n']}x{b['warps']}: {total:.1f} us per layer; dequantize + "
                      f"grouped_mm failed: {result['replaced_error']}")
     else:
-        lines.append(f"  best {b['block_m']}x{b['block_n']}x{b['warps']} {'parts' if b['split'] else 'whole'}: "
+        lines.append(f"  best {b['block_m']}x{b['block_n']}x{b['warps']} {'parts' if b['split'] else 'whole'}{' swapped' if b['swap'] else ''}: "
                  f"{total:.1f} us per layer vs dequantize + "
                      f"grouped_mm {result['replaced_us']:.1f} us ({result['replaced_us'] / total:.2f}x)")
     return "\n".join(lines)
@@ -214,18 +219,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def gemm_config(text: str) -> tuple[int, int, int]:
+    """'16x128x4' -> (pairs per block, rows per program, warps), each a power of two."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a GEMM shape is PAIRSxROWSxWARPS in powers of two, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--gemm-tokens", nargs="+", type=positive_int, default=[64],
                         help="prefill lengths the grouped GEMM is swept at (default 64)")
     parser.add_argument("--no-gemv", action="store_true", help="sweep the grouped GEMM only")
+    parser.add_argument("--gemm-shapes", nargs="+", type=gemm_config, default=None,
+                        help="the grouped GEMM's shapes to time, PAIRSxROWSxWARPS (default: GEMM_CONFIGS)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     # each sweep printed and kept as it ends: a call cut short by its time limit keeps what it measured
     cases = [] if args.no_gemv else [lambda name=name: sweep(name) for name in args.types]
     # the shipped launch shape stays installed between prefill lengths: each sweep's best is reported
-    cases += [lambda name=name, tokens=tokens: gemm_sweep(name, tokens=tokens, install=False)
+    cases += [lambda name=name, tokens=tokens: gemm_sweep(name, tokens=tokens, install=False, configs=args.gemm_shapes)
               for name in args.types for tokens in args.gemm_tokens]
     results = []
     for case in cases:

@@ -134,16 +134,21 @@ def moe_combine_kernel(y_ptr, y_stride, w_ptr, expert_ptr, out_ptr, out_stride, 
 
 
 @triton.jit
-def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.constexpr):
-    """acc [BM, BN] += x[rows, k] (loaded at w's columns k) times w [BN, BK] transposed."""
+def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.constexpr, SWAP: tl.constexpr):
+    """acc [BM, BN] += x[rows, k] (loaded at w's columns k) times w [BN, BK] transposed; with SWAP
+    acc [BN, BM] += w times x[rows, k] transposed (the weights the dot's first operand)."""
     a = tl.load(x_base + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
     if INTERP:  # the interpreter has no bfloat16 dot: float32 of the same (exact) values
         return acc + tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    elif WR == 0 and SWAP:
+        return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
     elif WR == 0:
         return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
-    else:  # w: unrounded float32 weights, rounded here once to the operand's dtype, by an
+    elif SWAP:  # w: unrounded float32 weights, rounded here once to the operand's dtype, by an
         # instruction the compiler cannot move above the dequantization (a cast it would: the
         # arithmetic then runs in bfloat16, seen for Q4_1's d * q + m on an H200)
+        return tl.dot(qd.to_model_dtype(w, WR), tl.trans(a), acc)
+    else:
         return acc + tl.dot(a, tl.trans(qd.to_model_dtype(w, WR)))
 
 
@@ -152,7 +157,7 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
                     off1, off2, n_split, row_bytes, nblk, out_ptr, out_stride, N,
                     QT: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr,
-                    SPLIT: tl.constexpr, PARTS: tl.constexpr):
+                    SPLIT: tl.constexpr, PARTS: tl.constexpr, SWAP: tl.constexpr = False):
     """out[s, n] = sum_k W[n, k] x[row(s), k] for up to BLOCK_M expert-sorted pairs s of one expert.
 
     Block b of blocks_ptr (int32 [B, 3]: slot, first sorted position, pairs) names the expert's
@@ -163,7 +168,8 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     block's pairs (tensor-core dot); rows of W lie as in moe_gemv_kernel (off1/off2/n_split).
     SPLIT: each step dequantized in PARTS parts (ops.GEMM_PARTS[QT]) rather than whole. A slot >=
     host_first is a host tier slot, read in place as in moe_gemv_kernel. The weights are rounded to
-    the model dtype once, as the dot's operand (quant_dot.to_model_dtype).
+    the model dtype once, as the dot's operand (quant_dot.to_model_dtype). SWAP: the weights the dot's
+    first operand (ops.GEMM_SWAP), the accumulator [BN, BM] then, transposed for the store.
     """
     b = tl.program_id(0)
     count = tl.load(blocks_ptr + 3 * b + 2)
@@ -190,7 +196,10 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
     row = (arena_ptr + base + row_offset)[:, None]  # [BN, 1] uint8 ptrs
     rmask = nmask[:, None]
     x_base = x_ptr + x_rows[:, None] * x_stride  # [BM, 1]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP and not INTERP:  # (the interpreter's dot is the same either way)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # compiled, the tiles hold unrounded float32 weights (WR 0) that _gemm_step rounds once, as the
     # dot's operand; interpreted, they are rounded on their bits (the interpreter's cast truncates)
     TILE_WR: tl.constexpr = WR if INTERP else 0
@@ -198,10 +207,12 @@ def moe_gemm_kernel(x_ptr, x_stride, order_ptr, blocks_ptr, arena_ptr, slot_byte
         if SPLIT:  # the step in parts: smaller tiles, fewer live registers
             for part in tl.static_range(PARTS):
                 w, k, kmask = qt.weight_part(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, INTERP, part)
-                acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
+                acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP, SWAP)
         else:
             w, k, kmask = qt.weight_tile(QT, row, kb, nblk, rmask, NB, BLOCK_N, TILE_WR, INTERP)  # [BN, BK], [BK]
-            acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP)
+            acc = _gemm_step(acc, x_base, w, k, kmask, mmask, WR, INTERP, SWAP)
+    if SWAP and not INTERP:
+        acc = tl.trans(acc)  # [BM, BN]
     out = qd.round_weights(acc, WR, INTERP)
     tl.store(out_ptr + s[:, None] * out_stride + n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])

@@ -87,6 +87,10 @@ GEMM_TYPE_TUNING: dict[ElementType, tuple[int, int]] = {
     t: DEQUANTIZERS[t].fused.gemm_shape for t in _TYPE_CODES if DEQUANTIZERS[t].fused.gemm_shape is not None
 }
 GEMM_SPLIT = True  # dequantize a step in parts (quant_tile.weight_part) rather than whole
+# the dequantized weights as the tensor-core dot's first operand (acc [rows, pairs]) rather than
+# its second: on sm_90 the dot is then a wgmma with the weights in registers, and the tile skips
+# the register moves the second operand's fragments took (bench/kernel_sass.py --kernel gemm)
+GEMM_SWAP = False
 
 _triton: ModuleType | None = None
 _triton_error: BaseException | None = None
@@ -269,7 +273,7 @@ def gemm_shape(element_type: ElementType) -> tuple[int, int]:
 
 def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: torch.Tensor, slot_bytes: int,
              weight: GemvWeight, *, pairs: int, top_k: int, gather_tokens: bool,
-             tuning: tuple[int, int] | None = None, split: bool | None = None,
+             tuning: tuple[int, int] | None = None, split: bool | None = None, swap: bool | None = None,
              host: HostSlots | None = None) -> torch.Tensor:
     """[pairs, rows] in expert-sorted order: row s is W(s's expert) · x[order[s] // top_k] when
     gather_tokens (x: hidden states [T, cols]), else W · x[s] (x: [pairs, cols], sorted order).
@@ -292,7 +296,8 @@ def moe_gemm(x: torch.Tensor, order: torch.Tensor, blocks: GemmBlocks, arena: to
         weight.row_bytes, weight.blocks_per_row, out, out.stride(0), weight.rows,
         QT=weight.code, NB=weight.blocks_per_step, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
         TOP_K=top_k, GATHER_TOKENS=gather_tokens, WR=ROUNDING[x.dtype], INTERP=_interpreted(),
-        SPLIT=GEMM_SPLIT if split is None else split, PARTS=GEMM_PARTS[weight.code], num_warps=warps,
+        SPLIT=GEMM_SPLIT if split is None else split, PARTS=GEMM_PARTS[weight.code],
+        SWAP=GEMM_SWAP if swap is None else swap, num_warps=warps,
         enable_fp_fusion=False,  # dequantized weights round like gguf-py's: no FMA contraction
     )
     return out

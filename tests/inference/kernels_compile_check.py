@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from inference.kernels import decode_attention as da
+from inference.kernels import dispatch_triton as dt
 from inference.kernels import dense_gemv as dg
 from inference.kernels import moe_triton as mt
 from inference.kernels import router_topk as rt
@@ -57,24 +58,37 @@ def dense_variants():
 
 def variants():
     for code, blocks, rank in sorted(_TYPE_CODES.values()):
-        for split in (True, False):
-            yield (f"moe_gemm_kernel type {code} {'parts' if split else 'whole'}", mt.moe_gemm_kernel, GEMM,
+        for split, swap in ((True, True), (True, False), (False, True), (False, False)):
+            yield (f"moe_gemm_kernel type {code} {'parts' if split else 'whole'}{' swapped' if swap else ''}",
+                   mt.moe_gemm_kernel, GEMM,
                    dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=1, INTERP=False,
-                        SPLIT=split, PARTS=GEMM_PARTS[code]))
+                        SPLIT=split, PARTS=GEMM_PARTS[code], SWAP=swap))
         if code == 11:  # float16 and float32 models: the other roundings of the dot's operand
-            for wr, dtype in ((2, "*fp16"), (0, "*fp32")):
-                yield (f"moe_gemm_kernel type {code} rounding {wr}", mt.moe_gemm_kernel,
+            for (wr, dtype), swap in [(r, s) for r in ((2, "*fp16"), (0, "*fp32")) for s in (True, False)]:
+                yield (f"moe_gemm_kernel type {code} rounding {wr}{' swapped' if swap else ''}", mt.moe_gemm_kernel,
                        {**GEMM, "x_ptr": dtype, "out_ptr": dtype},
                        dict(QT=code, NB=blocks, BLOCK_M=16, BLOCK_N=64, TOP_K=8, GATHER_TOKENS=True, WR=wr,
-                            INTERP=False, SPLIT=True, PARTS=GEMM_PARTS[code]))
+                            INTERP=False, SPLIT=True, PARTS=GEMM_PARTS[code], SWAP=swap))
         yield (f"moe_gemv_kernel type {code}", mt.moe_gemv_kernel, GEMV,
                dict(QT=code, NB=blocks, RANK=rank, BLOCK_N=4, WR=1, INTERP=False, TOP_K=8, X_PER_PAIR=False,
                     COUNT_MISSES=True))
 
 
+DISPATCH = {"expert_ptr": "*i64", "map_ptr": "*i32", "order_ptr": "*i64", "sorted_ptr": "*i64", "table_ptr": "*i32",
+            "miss_ptr": "*i32", "S": "i32", "E": "i32", "B": "i32"}
+
+
+def dispatch_variants():
+    """The prefill's dispatch program from one pair to the most it takes (dispatch.DISPATCH_PROGRAM_PAIRS),
+    for 128 and 384 experts (not a power of two: padding columns)."""
+    for pairs, experts in ((1, 128), (2, 128), (64, 128), (512, 128), (1024, 512)):
+        yield (f"moe_dispatch_kernel {pairs} pairs {experts} experts", dt.moe_dispatch_kernel, DISPATCH,
+               dict(BLOCK_M=16, EP=experts, SP=pairs, CHUNK=64, COUNT_MISSES=True))
+
+
 def main() -> int:
     failed = 0
-    for name, fn, signature, constants in (*variants(), *dense_variants()):
+    for name, fn, signature, constants in (*variants(), *dense_variants(), *dispatch_variants()):
         try:
             _compile(fn, signature, constants)
             print(f"{name}: ok")
