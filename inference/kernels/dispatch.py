@@ -18,7 +18,7 @@ import torch
 from inference.kernels import ops
 from inference.kernels.ops import GemmBlocks, triton_module
 
-DISPATCH_CHUNK = 64  # pairs (and blocks) the dispatch program takes at a time
+DISPATCH_CHUNK = 64  # blocks of the table the dispatch program builds at a time
 # Up to this many pairs one program dispatches (39 us a layer for 512 pairs on an H100, against
 # about 84 us of device time for torch's ops, and their thirty launches); its time grows with the
 # pairs, torch's hardly, so a longer prefill takes torch's sort and searchsorted.
@@ -32,6 +32,11 @@ class Dispatch:
     order: torch.Tensor  # int64 [S]: the pair at each sorted position (ascending expert, then pair)
     sorted_experts: torch.Tensor  # int64 [S]: the expert at each sorted position
     blocks: GemmBlocks
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above n (>= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch.Tensor | None = None,
@@ -62,7 +67,7 @@ def device_dispatch(experts: torch.Tensor, slot_map: torch.Tensor, misses: torch
 
         dispatch_triton.moe_dispatch_kernel[(1,)](
             experts.contiguous(), slot_map, order, sorted_experts, table, misses if misses is not None else slot_map,
-            pairs, n_experts, rows, BLOCK_M=block_m, EP=1 << max(0, (n_experts - 1).bit_length()),
+            pairs, n_experts, rows, BLOCK_M=block_m, EP=_pow2(n_experts), SP=_pow2(pairs),
             CHUNK=DISPATCH_CHUNK, COUNT_MISSES=misses is not None, num_warps=8)
     return Dispatch(order, sorted_experts, GemmBlocks(table, block_m))
 

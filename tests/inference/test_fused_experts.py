@@ -304,9 +304,10 @@ def test_fused_layer_matches_exact_layer(tokens, source, tmp_path):
     ([[5, 1]] * 9, None),  # two experts, each with more pairs than a block (4)
     ([[e, (e + 1) % 8] for e in range(8)], None),  # every expert
     ([[7, 6]], None),  # fewer pairs than experts, only the last ones
+    ([[3]], None),  # one pair
     ([[2, 5], [5, 6], [2, 3]], [3, -1, 0, 7, 1, -1, 8, 5]),  # absent experts: counted, slot 0
-    ("random", None),  # more pairs than the program's chunk, and than its block chunk
-], ids=["some", "blocks spanning", "every expert", "the last experts", "absent", "many"])
+    ("random", None),  # more pairs than a power of two, more blocks than the program's block chunk
+], ids=["some", "blocks spanning", "every expert", "the last experts", "one pair", "absent", "many"])
 @pytest.mark.parametrize("program", [True, False], ids=["one program", "torch ops"])
 def test_device_dispatch_equals_a_stable_sort_and_the_host_table(routing, slots, program, monkeypatch):
     """The pairs sorted by expert in one program (or, past its pairs, by torch ops) equal torch's
