@@ -102,12 +102,36 @@ def _q4_k_byte(source, scale, offset, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _k_scales_words(base, pair, nibble: tl.constexpr, mask):
+    """_k_scales for sub-blocks 2 pair + nibble from the header read as four uint32 words (d and
+    dmin in word 0, the 12 scale bytes in words 1-3) rather than a byte at a time: (d*sc, dmin*m)
+    [BN, 4, 1], the same values."""
+    header = (base).to(tl.pointer_type(tl.uint32), bitcast=True)  # [BN, 1, 1]
+    w0 = tl.load(header, mask=mask, other=0)
+    w1 = tl.load(header + 1, mask=mask, other=0)  # scale bytes 0-3
+    w2 = tl.load(header + 2, mask=mask, other=0)  # 4-7
+    w3 = tl.load(header + 3, mask=mask, other=0)  # 8-11
+    d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (w0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sub = 2 * pair + nibble  # [1, 4, 1]
+    # b[s] of s = sub % 4, b[s + 4] and b[s + 8]: byte (sub % 4) of words 1, 2 and 3
+    shift = (8 * (sub % 4)).to(tl.uint32)
+    own = (w1 >> shift) & 0xFF  # b[s % 4]
+    upper4 = (w2 >> shift) & 0xFF  # b[s % 4 + 4]
+    upper8 = (w3 >> shift) & 0xFF  # b[s % 4 + 8]
+    first = sub < 4
+    sc = tl.where(first, own & 0x3F, (upper8 & 0x0F) | ((own >> 2) & 0x30))
+    mins = tl.where(first, upper4 & 0x3F, (upper8 >> 4) | ((upper4 >> 2) & 0x30))
+    return d * sc.to(tl.float32), dmin * mins.to(tl.float32)
+
+
+@triton.jit
 def part_q4_k_words(base, mask, pair, w, words, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
     """part_q4_k's values from q4_k_words: nibble `nibble` of the four bytes of each word, as
     [BN, 4, 8, 2, 2] (byte b = 2 j + l last, so that a thread's values of a word lie in
     consecutive registers, packed and stored in pairs), and their element offsets 64 pair +
     32 nibble + 4 w + b."""
-    scale, offset = _k_scales(base, 2 * pair + nibble, mask)  # f32 [BN, 4, 1]
+    scale, offset = _k_scales_words(base, pair, nibble, mask)  # f32 [BN, 4, 1]
     low, high = _halves_under_2_23(words, INTERP)  # [BN, 4, 8] x2
     v0 = _q4_k_byte(low, scale, offset, 4 * nibble)
     v1 = _q4_k_byte(low, scale, offset, 8 + 4 * nibble)
