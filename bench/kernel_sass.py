@@ -10,7 +10,8 @@ compiler and disassembler (the ones its wheel carries), with the launch's intege
 
     python bench/kernel_sass.py --types Q4_K MXFP4 --shapes 8x1 4x1
     python bench/kernel_sass.py --types Q4_K --baseline-rev d99c19b   # the same for another revision
-    python bench/kernel_sass.py --kernel gemm --shapes 64x4 128x4    # the grouped GEMM (BLOCK_N x warps)
+    python bench/kernel_sass.py --kernel gemm --shapes 64x4 128x8    # the grouped GEMM (BLOCK_N x warps)
+    python bench/kernel_sass.py --kernel gemm --swap off             # ... its weights the dot's second operand
 
 Read with care: the loop is the longest backward branch of the SASS, and "per weight" divides its
 length by the weights one iteration covers per thread, assuming the compiler did not unroll it
@@ -71,9 +72,10 @@ def opcode(line: str) -> str:
 
 
 def measure(type_names: list[str], shapes: list[tuple[int, int]], kernel_name: str = "gemv",
-            whole: bool = False) -> list[dict]:
+            whole: bool = False, swap: bool | None = None) -> list[dict]:
     """One row per (type, shape): the loop's length, per weight, and its commonest opcodes. For the
-    GEMM a shape is (BLOCK_N, warps) at the shipped BLOCK_M, in parts (ops.GEMM_SPLIT) unless whole."""
+    GEMM a shape is (BLOCK_N, warps) at the shipped BLOCK_M, in parts (ops.GEMM_SPLIT) unless whole,
+    its operands as ops.GEMM_SWAP has them unless `swap` says."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -107,6 +109,8 @@ def measure(type_names: list[str], shapes: list[tuple[int, int]], kernel_name: s
             else:  # the prefill's up projection (tokens gathered), as ops.moe_gemm launches it
                 constants = dict(QT=code, NB=blocks_per_step, BLOCK_M=ops.GEMM_BLOCK_M, BLOCK_N=rows, TOP_K=8,
                                  GATHER_TOKENS=True, WR=1, INTERP=False, SPLIT=not whole, PARTS=ops.GEMM_PARTS[code])
+                if "SWAP" in kernel.arg_names:  # (a tree before it had no SWAP)
+                    constants["SWAP"] = ops.GEMM_SWAP if swap is None else swap
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": warps, "enable_fp_fusion": False})
@@ -147,15 +151,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="launch shapes ROWSxWARPS, rows being BLOCK_N (default 8x1 4x1 for the GEMV, "
                              "64x4 128x4 for the GEMM)")
     parser.add_argument("--whole", action="store_true", help="the GEMM dequantizes each step whole, not in parts")
+    parser.add_argument("--swap", choices=("on", "off"), default=None,
+                        help="the GEMM's weights as the dot's first operand or not (default: ops.GEMM_SWAP; a "
+                             "--baseline-rev compiles its own default)")
     parser.add_argument("--baseline-rev", default=None, help="also compile the kernels of this git revision")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--json-stdout", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.whole and args.kernel != "gemm":
         parser.error("--whole: only the GEMM (--kernel gemm) dequantizes in parts")
+    if args.swap and args.kernel != "gemm":
+        parser.error("--swap: only the GEMM (--kernel gemm) has its operands swapped")
     if args.shapes is None:
         args.shapes = [(8, 1), (4, 1)] if args.kernel == "gemv" else [(64, 4), (128, 4)]
-    rows = measure(args.types, args.shapes, args.kernel, args.whole)
+    rows = measure(args.types, args.shapes, args.kernel, args.whole, None if args.swap is None else args.swap == "on")
     if args.json_stdout:
         print(json.dumps(rows))
         return 0

@@ -121,3 +121,8 @@ def test_a_baseline_revision_is_compiled_beside_the_tree():
     run = run_tool("--types", "Q4_K", "--shapes", "8x1", "--baseline-rev", "HEAD")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "(at HEAD: " in run.stdout
+
+
+def test_swapped_operands_are_refused_for_the_gemv():
+    run = run_tool("--types", "Q4_K", "--swap", "on")
+    assert run.returncode != 0 and "--swap: only the GEMM" in run.stderr
