@@ -89,7 +89,9 @@ GEMM_TYPE_TUNING: dict[ElementType, tuple[int, int]] = {
 GEMM_SPLIT = True  # dequantize a step in parts (quant_tile.weight_part) rather than whole
 # the dequantized weights as the tensor-core dot's first operand (acc [rows, pairs]) rather than
 # its second: on sm_90 the dot is then a wgmma with the weights in registers, and the tile skips
-# the register moves the second operand's fragments took (bench/kernel_sass.py --kernel gemm)
+# the register moves the second operand's fragments took (bench/kernel_sass.py --kernel gemm: Q4_K
+# at 128 x 8 5.9 instructions a weight against 8.3 unswapped at 128 x 4). Off until a GPU times it
+# (docs/benchmarks.md, "What the next GPU call runs first"); bench/gemv_sweep.py sweeps both.
 GEMM_SWAP = False
 
 _triton: ModuleType | None = None
