@@ -231,6 +231,16 @@ def test_fused_model_matches_eager_bfloat16(case, tmp_path):
     assert relative <= 2**-7
 
 
+@pytest.mark.slow
+def test_fused_model_matches_eager_bfloat16_with_the_gemm_operands_swapped(tmp_path, monkeypatch):
+    """As above for the K-quant case with ops.GEMM_SWAP on (off by default until timed on a GPU):
+    the prefill's grouped GEMM with the weights as the dot's first operand (a wgmma on sm_90)."""
+    from inference.kernels import ops
+
+    monkeypatch.setattr(ops, "GEMM_SWAP", True)
+    test_fused_model_matches_eager_bfloat16("mixtral Q4_K gate/up, Q6_K down", tmp_path)
+
+
 class ThreeSlotSource(LocalPackSource):
     """A source that can hold 3 experts at once, like a storaged arena of 3 slots."""
 
@@ -386,19 +396,23 @@ def test_gemm_equals_float64_products_of_rounded_weights(element_type):
               for o in (0, second)]
     w = torch.cat(values, dim=1).bfloat16().double()  # [S, 2 rows, cols], sorted order
     ulp = lambda e: (e.float().abs() * 2**-7).clamp(min=1e-30)  # noqa: E731  one bf16 ulp
-    for gather_tokens, split in ((True, True), (False, True), (True, False)):  # up, down; whole-step tiles
+    # up, down; whole-step tiles; the weights as the dot's first operand (the interpreter's dot is
+    # the same either way: these differ on a GPU)
+    for gather_tokens, split, swap in ((True, True, False), (False, True, False), (True, False, False),
+                                       (True, True, True), (False, True, True)):
         x_in = x if gather_tokens else torch.randn(len(order), cols).bfloat16()
         xs = x.double()[order // top_k] if gather_tokens else x_in.double()
         got = moe_gemm(x_in.to(DEVICE), order.to(DEVICE), blocks.to(DEVICE), arena.to(DEVICE), slot_bytes, weight,
                        pairs=len(order), top_k=top_k, gather_tokens=gather_tokens, tuning=(16, 4),
-                       split=split).cpu()
+                       split=split, swap=swap).cpu()
         expected = torch.einsum("pnk,pk->pn", w, xs).bfloat16()
         # one bf16 ulp, plus what float32 accumulation in a tensor core's order may lose where the
         # terms cancel: a few float32 ulps of the sum of the terms' magnitudes
         spread = torch.einsum("pnk,pk->pn", w.abs(), xs.abs()).float() * 2**-16
         assert got.dtype == torch.bfloat16 and got.shape == (len(order), 2 * rows)
-        assert torch.all((got.float() - expected.float()).abs() <= ulp(expected) + spread), (element_type.name, split)
-        assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens, split)
+        assert torch.all((got.float() - expected.float()).abs() <= ulp(expected) + spread), (element_type.name, split,
+                                                                                           swap)
+        assert (got == expected).float().mean() >= 0.95, (element_type.name, gather_tokens, split, swap)
 
 
 def _q4_k_extreme_scales(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -446,7 +460,7 @@ ONE_HOT_CASES = {ElementType.Q4_K: _q4_k_extreme_scales, ElementType.MXFP4: _mxf
 
 
 @pytest.mark.parametrize("element_type", list(ONE_HOT_CASES), ids=lambda t: t.name)
-@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemm", "gemm swapped"])
 def test_one_hot_activations_read_back_each_weight_exactly(kernel, element_type):
     """With x a one-hot row, a projection's output is one column of its weights, which both
     kernels must give equal to dequantize_many's bf16 rounding: the quantized types across
@@ -474,7 +488,8 @@ def test_one_hot_activations_read_back_each_weight_exactly(kernel, element_type)
     else:
         blocks = gemm_blocks([0], [pairs], block_m=16)
         got = moe_gemm(x.to(DEVICE), torch.arange(pairs, device=DEVICE), blocks.to(DEVICE), arena.to(DEVICE),
-                       slot_bytes, weight, pairs=pairs, top_k=1, gather_tokens=True, tuning=(16, 4)).cpu()
+                       slot_bytes, weight, pairs=pairs, top_k=1, gather_tokens=True, tuning=(16, 4),
+                       swap=kernel == "gemm swapped").cpu()
     want = expected[:, columns].t()  # [pairs, rows]
     finite = torch.isfinite(want)
     assert finite.float().mean() > 0.9  # the specials are mostly finite: the test compares values
