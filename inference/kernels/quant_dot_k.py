@@ -65,16 +65,21 @@ def part_q4_k(base, mask, pair, i, packed, nibble: tl.constexpr, WR: tl.constexp
 
 
 @triton.jit
-def q4_k_words(base, rmask):
-    """Q4_K's 128 nibble bytes (@16) of super-blocks `base` [BN, 1] as uint32 words, 16-byte vector
-    loads rather than a pointer per byte: (words [BN, 4, 8] (word 8 pair + w holds bytes 32 pair
-    + 4 w .. + 3), header ptrs [BN, 1, 1], mask, pair [1, 4, 1], w [1, 1, 8])."""
+def k_words(base, rmask, CODES: tl.constexpr, HIGH: tl.constexpr):
+    """Q4_K's (Q5_K's) 128 code bytes (@CODES: 16, 48) of super-blocks `base` [BN, 1] as uint32
+    words, 16-byte vector loads rather than a pointer per byte: (words [BN, 4, 8] (word 8 pair + w
+    holds bytes 32 pair + 4 w .. + 3), Q5_K's 32 qh bytes @16 as words [BN, 1, 8] (else the
+    words again, unused), header ptrs [BN, 1, 1], mask, pair [1, 4, 1], w [1, 1, 8])."""
     base, mask = base[:, :, None], rmask[:, :, None]
     pair = tl.arange(0, 4)[None, :, None]
     w = tl.arange(0, 8)[None, None, :]
-    word_ptr = (base + 16).to(tl.pointer_type(tl.uint32), bitcast=True)
-    words = tl.load(word_ptr + 8 * pair + w, mask=mask, other=0)  # u32 [BN, 4, 8]
-    return words, base, mask, pair, w
+    word_ptr = base.to(tl.pointer_type(tl.uint32), bitcast=True)
+    words = tl.load(word_ptr + CODES // 4 + 8 * pair + w, mask=mask, other=0)  # u32 [BN, 4, 8]
+    if HIGH:
+        high_bits = tl.load(word_ptr + 4 + w, mask=mask, other=0)  # u32 [BN, 1, 8]
+    else:
+        high_bits = words
+    return words, high_bits, base, mask, pair, w
 
 
 @triton.jit
@@ -92,13 +97,16 @@ def _halves_under_2_23(words, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_byte(source, scale, offset, SHIFT: tl.constexpr):
-    """The nibble at bit SHIFT (<= 12) of `source` (a half word under 2^23): masked in place, not
-    shifted down, 2^23 + q 2^s, and the fma's scale 2^-s (a power of two: exact) takes it back to
+def _k_code_byte(source, high_bits, scale, offset, SHIFT: tl.constexpr, HIGH: tl.constexpr):
+    """The code at bit SHIFT (<= 12) of `source` (a half word under 2^23), masked in place, not
+    shifted down: 2^23 + q 2^s; with HIGH (Q5_K) its fifth bit OR-ed in from `high_bits`, where
+    it lies at bit SHIFT + 4. The fma's scale 2^-s (a power of two: exact) takes it back to
     scale * q exactly, as q4_k_values; then minus the offset."""
-    two23_q = (source & (0x4B000000 | (0x0F << SHIFT))).to(tl.float32, bitcast=True)  # 2^23 + q 2^s
+    two23_q = source & (0x4B000000 | (0x0F << SHIFT))  # 2^23 + q 2^s (its low four bits)
+    if HIGH:
+        two23_q = two23_q | (high_bits & (0x10 << SHIFT))
     scale_s = scale * (1.0 / (1 << SHIFT))  # exact
-    return tl.fma(scale_s, two23_q, scale_s * -8388608.0) - offset
+    return tl.fma(scale_s, two23_q.to(tl.float32, bitcast=True), scale_s * -8388608.0) - offset
 
 
 @triton.jit
@@ -126,17 +134,26 @@ def _k_scales_words(base, pair, nibble: tl.constexpr, mask):
 
 
 @triton.jit
-def part_q4_k_words(base, mask, pair, w, words, nibble: tl.constexpr, WR: tl.constexpr, INTERP: tl.constexpr):
-    """part_q4_k's values from q4_k_words: nibble `nibble` of the four bytes of each word, as
-    [BN, 4, 8, 2, 2] (byte b = 2 j + l last, so that a thread's values of a word lie in
-    consecutive registers, packed and stored in pairs), and their element offsets 64 pair +
-    32 nibble + 4 w + b."""
+def part_k_words(base, mask, pair, w, words, high_bits, nibble: tl.constexpr, HIGH: tl.constexpr, WR: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """part_q4_k's (HIGH: part_q5_k's) values from k_words: code `nibble` of the four bytes of
+    each word, as [BN, 4, 8, 2, 2] (byte b = 2 j + l last, so that a thread's values of a word lie
+    in consecutive registers, packed and stored in pairs), and their element offsets 64 pair +
+    32 nibble + 4 w + b. Q5_K's fifth bits: bit 2 pair + nibble of qh byte 4 w + b (high_bits
+    [BN, 1, 8], its words), moved above each byte's code of this part, two bytes a shift."""
     scale, offset = _k_scales_words(base, pair, nibble, mask)  # f32 [BN, 4, 1]
     low, high = _halves_under_2_23(words, INTERP)  # [BN, 4, 8] x2
-    v0 = _q4_k_byte(low, scale, offset, 4 * nibble)
-    v1 = _q4_k_byte(low, scale, offset, 8 + 4 * nibble)
-    v2 = _q4_k_byte(high, scale, offset, 4 * nibble)
-    v3 = _q4_k_byte(high, scale, offset, 8 + 4 * nibble)
+    if HIGH:
+        bits = (high_bits >> (2 * pair + nibble).to(tl.uint32)) & 0x01010101  # [BN, 4, 8] bit 8 b of byte b
+        low_bits = bits << (4 + 4 * nibble)  # bytes 0, 1: at 4 + s
+        high_bits = bits >> (12 - 4 * nibble)  # bytes 2, 3 (of the word shifted by 16): at 4 + s
+    else:
+        low_bits = low
+        high_bits = high
+    v0 = _k_code_byte(low, low_bits, scale, offset, 4 * nibble, HIGH)
+    v1 = _k_code_byte(low, low_bits, scale, offset, 8 + 4 * nibble, HIGH)
+    v2 = _k_code_byte(high, high_bits, scale, offset, 4 * nibble, HIGH)
+    v3 = _k_code_byte(high, high_bits, scale, offset, 8 + 4 * nibble, HIGH)
     value = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, 4, 8, 2, 2]: [..., j, l] is byte 2 j + l
     j = tl.arange(0, 2)[None, None, None, :, None]
     lo = tl.arange(0, 2)[None, None, None, None, :]

@@ -111,18 +111,11 @@ def weight_part(QT: tl.constexpr, row, kb, nblk, rmask, NB: tl.constexpr, BN: tl
         else:
             w, k = _flat(qd.round_weights(high, WR, INTERP), xoff + 16, BN, NB * 16)
         return w, k, valid
-    elif QT == 11:
-        base, x0 = qk.super(row, kb, rmask, 144)
-        words, base, mask, pair, w_ = qk.q4_k_words(base, rmask)
-        w, k = qk.part_q4_k_words(base, mask, pair, w_, words, PART, WR, INTERP)  # [BN, 4, 8, 2, 2]
-        w, k = _flat(w, k, BN, 128)
-        return w, x0 + k, k >= 0
-    elif QT == 12:
-        base, x0 = qk.super(row, kb, rmask, 176)
-        base, mask, pair, i = qk.q45_k_layout(base, rmask)
-        packed = load_bytes(base + 48 + 32 * pair + i, mask)
-        high_bits = load_bytes(base + 16 + i, mask)
-        w, k = qk.part_q5_k(base, mask, pair, i, packed, high_bits, PART, WR, INTERP)
+    elif QT == 11 or QT == 12:  # Q4_K, Q5_K: codes and scales read as words
+        HIGH: tl.constexpr = QT == 12
+        base, x0 = qk.super(row, kb, rmask, 176 if HIGH else 144)
+        words, high_bits, base, mask, pair, w_ = qk.k_words(base, rmask, 48 if HIGH else 16, HIGH)
+        w, k = qk.part_k_words(base, mask, pair, w_, words, high_bits, PART, HIGH, WR, INTERP)  # [BN, 4, 8, 2, 2]
         w, k = _flat(w, k, BN, 128)
         return w, x0 + k, k >= 0
     elif QT == 13:
