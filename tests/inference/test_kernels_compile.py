@@ -23,6 +23,7 @@ def test_every_fused_kernel_variant_compiles_for_sm90():
                          capture_output=True, text=True, env=env, timeout=1200)
     lines = run.stdout.splitlines()
     assert run.returncode == 0, "\n".join(line for line in lines if not line.endswith(": ok")) + run.stderr[-2000:]
-    # 14 types x (two GEMMs, one GEMV), Q4_K's GEMM for float16 and float32 models, then 2 GEMVs,
-    # 3 + 1 attention kernels, 2 top-k selections
-    assert len(lines) == 14 * 3 + 2 + 8 and all(line.endswith(": ok") for line in lines)
+    # 14 types x (four GEMMs: parts or whole, operands swapped or not; one GEMV), Q4_K's GEMM for
+    # float16 and float32 models swapped or not, then 2 GEMVs, 3 + 1 attention kernels, 2 top-k
+    # selections, and the dispatch program at 5 sizes
+    assert len(lines) == 14 * 5 + 4 + 8 + 5 and all(line.endswith(": ok") for line in lines)
