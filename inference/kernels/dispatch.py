@@ -19,9 +19,10 @@ from inference.kernels import ops
 from inference.kernels.ops import GemmBlocks, triton_module
 
 DISPATCH_CHUNK = 64  # blocks of the table the dispatch program builds at a time
-# Up to this many pairs one program dispatches (39 us a layer for 512 pairs on an H100, against
-# about 84 us of device time for torch's ops, and their thirty launches); its time grows with the
-# pairs, torch's hardly, so a longer prefill takes torch's sort and searchsorted.
+# Up to this many pairs one program dispatches, all of them in its registers (the chunked program
+# before it took 39 us a layer for 512 pairs on an H100, against about 84 us of device time for
+# torch's ops and their thirty launches; the register sort is not timed yet); beyond it a longer
+# prefill takes torch's sort and searchsorted.
 DISPATCH_PROGRAM_PAIRS = 1024
 
 

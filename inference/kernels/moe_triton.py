@@ -144,9 +144,10 @@ def _gemm_step(acc, x_base, w, k, kmask, mmask, WR: tl.constexpr, INTERP: tl.con
         return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
     elif WR == 0:
         return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
-    elif SWAP:  # w: unrounded float32 weights, rounded here once to the operand's dtype, by an
-        # instruction the compiler cannot move above the dequantization (a cast it would: the
-        # arithmetic then runs in bfloat16, seen for Q4_1's d * q + m on an H200)
+    # below, w holds unrounded float32 weights, rounded here once to the operand's dtype by an
+    # instruction the compiler cannot move above the dequantization (a cast it would: the
+    # arithmetic then runs in bfloat16, seen for Q4_1's d * q + m on an H200)
+    elif SWAP:
         return tl.dot(qd.to_model_dtype(w, WR), tl.trans(a), acc)
     else:
         return acc + tl.dot(a, tl.trans(qd.to_model_dtype(w, WR)))
